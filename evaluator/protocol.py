@@ -52,7 +52,14 @@ def build_messages(image: Any, question: str, template: str = EVAL_TEMPLATE) -> 
 def extract_answer(text: str) -> int | None:
     """The verifier's extraction: the first `<answer>N</answer>` as an int, or None. There is no fallback."""
     match = ANSWER_PATTERN.search(text)
-    return int(match.group(1)) if match else None
+    if match is None:
+        return None
+    try:
+        return int(match.group(1))
+    except ValueError:
+        # Python refuses to convert more than 4300 digits; the verifier's int() would raise there, which can only
+        # count as wrong, so such an answer is unparseable.
+        return None
 
 
 def is_correct(text: str, gold: int) -> bool:
