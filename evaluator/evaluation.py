@@ -1,0 +1,153 @@
+"""Score a saved model on a split the way the verifier does, with one process per GPU.
+
+The inputs are checked before any weights are loaded; each worker loads the model on its own device, generates for
+its shard of the rows, and the completions are put back in the split's order before scoring.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing
+from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+from evaluator.data import load_split, validate_solutions
+from evaluator.generation import Completion, generate_completions
+from evaluator.protocol import GENERATION_KWARGS
+from evaluator.report import build_report
+
+# Decoding costs about the same per step whatever the batch on a GPU, so big batches are nearly free throughput;
+# 128 rows of 480x320 images fit a 48 GB card with room to spare. On a CPU, small batches waste less on padding.
+DEFAULT_GPU_BATCH_SIZE = 128
+DEFAULT_CPU_BATCH_SIZE = 4
+# The only architecture the verifier loads (`Qwen2VLForConditionalGeneration.from_pretrained`).
+MODEL_TYPE = "qwen2_vl"
+
+
+class ModelError(ValueError):
+    """A model folder the verifier could not load as Qwen2-VL; the message names the folder."""
+
+
+def evaluate(
+    model_dir: str | Path,
+    data: str | Path,
+    *,
+    limit: int | None = None,
+    seed: int | None = None,
+    batch_size: int | None = None,
+    devices: list[str] | None = None,
+    num_samples: int = 5,
+    static_cache: bool = False,
+    max_new_tokens: int = GENERATION_KWARGS["max_new_tokens"],
+) -> dict[str, Any]:
+    """The report of `model_dir` on the split folder `data` (see `report.build_report` for the scores).
+
+    devices: None for every visible GPU (the CPU when there is none), else device names, one worker each; the same
+    name may repeat (["cpu", "cpu"] runs two CPU workers). static_cache: see `generate_completions`; ignored on a
+    CPU. `max_new_tokens` other than 256 is not the verifier's protocol: it is for quick checks, and the report
+    records it.
+    """
+    start = time.perf_counter()
+    model_dir = check_model_dir(model_dir)
+    rows = load_split(data, limit=limit, seed=seed)
+    golds = validate_solutions(rows, source=str(data))
+    devices = _devices(devices)
+    on_gpu = torch.device(devices[0]).type == "cuda"
+    batch_size = batch_size or (DEFAULT_GPU_BATCH_SIZE if on_gpu else DEFAULT_CPU_BATCH_SIZE)
+    static_cache = static_cache and on_gpu  # it compiles the decode step only on a GPU; on a CPU it only costs
+    # Strided shards: each worker gets the same mix of prompt lengths, so they finish together.
+    shards = [list(range(worker, len(rows), len(devices))) for worker in range(len(devices))]
+    shards = [shard for shard in shards if shard]
+    jobs = [
+        (model_dir, device, rows.select(shard), batch_size, max_new_tokens, static_cache, len(shards))
+        for device, shard in zip(devices, shards)
+    ]
+    if len(jobs) == 1:
+        outputs = [_run_shard(*jobs[0])]
+    else:
+        context = torch.multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=len(jobs), mp_context=context) as pool:
+            outputs = list(pool.map(_run_shard, *zip(*jobs)))
+    completions: list[Completion] = [None] * len(rows)  # type: ignore[list-item]
+    for shard, shard_completions in zip(shards, outputs):
+        for index, completion in zip(shard, shard_completions):
+            completions[index] = completion
+    report = build_report(list(rows["problem"]), golds, completions, num_samples=num_samples)
+    seconds = time.perf_counter() - start
+    return {
+        **report,
+        "seconds": seconds,
+        "examples_per_s": len(rows) / seconds,
+        "model": str(model_dir),
+        "data": str(data),
+        "devices": devices[: len(jobs)],
+        "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens,
+        "static_cache": static_cache,
+        "limit": limit,
+        "seed": seed,
+    }
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """The folder, if its config.json says Qwen2-VL; read before any weights so a wrong folder fails in a second."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelError(f"{folder}: no such model folder")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"{folder}: no config.json, not a save_pretrained model folder")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        raise ModelError(f"{config_file}: not a model config ({error})") from None
+    if model_type != MODEL_TYPE:
+        raise ModelError(f"{folder}: model_type is {model_type!r}; the verifier loads only {MODEL_TYPE!r}")
+    return folder
+
+
+def load_model(model_dir: str | Path, device: str) -> tuple[Any, Any]:
+    """The model in eval mode on `device` (bf16 with sdpa attention on a GPU, float32 on a CPU) and its processor."""
+    on_gpu = torch.device(device).type == "cuda"
+    model = Qwen2VLForConditionalGeneration.from_pretrained(
+        model_dir,
+        dtype=torch.bfloat16 if on_gpu else torch.float32,
+        attn_implementation="sdpa",
+        device_map={"": device},
+    )
+    return model.eval(), AutoProcessor.from_pretrained(model_dir)
+
+
+def _devices(devices: list[str] | None) -> list[str]:
+    if devices is None:
+        count = torch.cuda.device_count()
+        return [f"cuda:{index}" for index in range(count)] if count else ["cpu"]
+    if not devices:
+        raise ValueError("devices must name at least one device")
+    return [str(torch.device(device)) for device in devices]
+
+
+def _run_shard(
+    model_dir: Path,
+    device: str,
+    rows: Any,
+    batch_size: int,
+    max_new_tokens: int,
+    static_cache: bool,
+    workers: int,
+) -> list[Completion]:
+    """One worker: load the model on `device` and generate its rows' completions, in their order."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)  # keeps this process's CUDA context off the other workers' GPUs
+    elif workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))  # CPU workers share the cores
+    model, processor = load_model(model_dir, device)
+    return generate_completions(
+        model, processor, rows, batch_size=batch_size, max_new_tokens=max_new_tokens, static_cache=static_cache
+    )

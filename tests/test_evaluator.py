@@ -1,0 +1,203 @@
+"""The evaluator prompts exactly as the verifier does, batching does not change answers, and the report adds up.
+
+A random tiny model on the CPU: it scores ~0 and rarely writes answer tags, so the scoring rules are checked on
+hand-written completions (`build_report`) and the end-to-end runs on consistency.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from qwen_vl_utils import process_vision_info
+
+from evaluator import evaluate
+from evaluator.__main__ import main
+from evaluator.data import load_split, validate_solutions
+from evaluator.evaluation import load_model
+from evaluator.generation import Completion, _tokens_until_eos, build_inputs, generate_completions
+from evaluator.protocol import EVAL_TEMPLATE, extract_answer
+from evaluator.report import build_report
+from synthetic.splits import iter_scenes
+
+REPO = Path(__file__).resolve().parents[1]
+# Written out here rather than imported: the verifier's prompt, one space after the question.
+VERIFIER_PROMPT = (
+    "{Question} First output the thinking process in <think> </think> and final answer (number) in <answer> </answer> "
+    "tags."
+)
+DEFAULT_SYSTEM_TURN = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+SHORT = 8  # new tokens where the test is about batching or bookkeeping, not the protocol's 256
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict[str, Any]]:
+    """Rows with images of several sizes and questions of several lengths, so that batches need padding."""
+    sizes = [(56, 56), (112, 56), (56, 112), (84, 140), (112, 112), (56, 84), (140, 56), (84, 84)]
+    out = []
+    for index, size in enumerate(sizes):
+        ((image, scene),) = iter_scenes("val", 1, seed=index, image_size=size, count_range=(1, 3))
+        out.append({"image": image, "problem": scene.question, "solution": f"<answer> {scene.count} </answer>"})
+    out[2]["problem"] = "How many large metal cubes are there left of the small rubber cylinder behind the sphere?"
+    return out
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_model_dir: Path) -> Any:
+    return load_model(tiny_model_dir, "cpu")[1]
+
+
+@pytest.fixture(scope="module")
+def lively_model(tiny_model_dir: Path) -> Any:
+    """The tiny model with larger random weights, no way to the unused token ids and more weight on the end tokens:
+    the saved one repeats a single token whatever the input, which would make any two runs agree."""
+    model, processor = load_model(tiny_model_dir, "cpu")
+    vocab_ids = processor.tokenizer.get_vocab().values()
+    unused = range(max(i for i in vocab_ids if i < 151643) + 1, 151643)  # the gap before the special tokens
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+        embeddings = model.get_input_embeddings().weight  # tied: its rows are also the output layer's
+        embeddings[unused] = 0
+        embeddings[model.generation_config.eos_token_id] *= 3
+    return model
+
+
+def test_prompt_tokens_are_the_verifiers(processor: Any, rows: list[dict[str, Any]]) -> None:
+    batch = build_inputs(processor, rows)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), batch["image_grid_thw"].prod(dim=1).cumsum(0)])
+    for index, row in enumerate(rows):
+        # The verifier's steps, one row at a time.
+        message = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": row["image"]},
+                    {"type": "text", "text": VERIFIER_PROMPT.format(Question=row["problem"])},
+                ],
+            }
+        ]
+        text = processor.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+        image_inputs, video_inputs = process_vision_info([message])
+        expected = processor(text=[text], images=image_inputs, videos=video_inputs, padding=True, return_tensors="pt")
+
+        mask = batch["attention_mask"][index].bool()
+        assert not mask[-1:].logical_not().any() and torch.equal(mask, mask.sort().values), "padding must be left"
+        assert torch.equal(batch["input_ids"][index][mask], expected["input_ids"][0])
+        assert torch.equal(batch["image_grid_thw"][index], expected["image_grid_thw"][0])
+        pixels = batch["pixel_values"][offsets[index] : offsets[index + 1]]
+        assert torch.equal(pixels, expected["pixel_values"])
+        decoded = processor.tokenizer.decode(expected["input_ids"][0])
+        assert decoded.startswith(DEFAULT_SYSTEM_TURN + "<|im_start|>user\n<|vision_start|><|image_pad|>")
+        rendered = EVAL_TEMPLATE.format(question=row["problem"])
+        assert decoded.endswith(f"<|vision_end|>{rendered}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_batched_completions_equal_one_row_at_a_time(lively_model: Any, processor: Any, rows: list) -> None:
+    alone = [generate_completions(lively_model, processor, [row], 1, SHORT)[0] for row in rows]
+    assert len({completion.text for completion in alone}) > 1, "the model must answer differently to some rows"
+    assert {completion.n_tokens < SHORT for completion in alone} == {True, False}, "some rows must end early"
+    batched = generate_completions(lively_model, processor, rows, batch_size=3, max_new_tokens=SHORT)
+    assert batched == alone
+    # The static cache fills the last batch up with copies; their completions must not leak into the result.
+    assert generate_completions(lively_model, processor, rows, 3, SHORT, static_cache=True) == alone
+
+
+def test_completion_tokens_count_up_to_the_first_end_of_sequence() -> None:
+    im_end, end_of_text = 151645, 151643  # Qwen2-VL's end-of-sequence ids; end_of_text also pads finished rows
+    new_tokens = torch.tensor([[5, im_end, end_of_text, end_of_text], [5, 6, 7, 8], [end_of_text, 9, 9, 9]])
+    assert _tokens_until_eos(new_tokens, [im_end, end_of_text]) == [2, 4, 1]
+    assert _tokens_until_eos(new_tokens, im_end) == [2, 4, 4]
+
+
+def test_report_scores_with_the_verifiers_rules() -> None:
+    texts_and_golds = [
+        ("<think>three</think> <answer> 3 </answer>", 3),  # right
+        ("<answer>4</answer> then <answer>3</answer>", 3),  # the first answer counts: wrong
+        ("The answer is 5.", 5),  # no tags: no answer, wrong
+        ("<answer>٥</answer>", 5),  # a Unicode digit is a digit to `\d` and int(): right
+        ("<answer>02</answer>", 2),  # right
+        ("<answer>2.0</answer>", 2),  # not an integer: no answer
+    ]
+    completions = [Completion(text, n_tokens) for n_tokens, (text, _) in enumerate(texts_and_golds, start=1)]
+    golds = [gold for _, gold in texts_and_golds]
+    report = build_report([f"q{i}" for i in range(6)], golds, completions, num_samples=2)
+    assert (report["n"], report["correct"]) == (6, 3)
+    assert report["accuracy_pct"] == pytest.approx(50.0)
+    assert report["format_rate"] == pytest.approx(100 * 4 / 6)
+    assert report["mean_completion_tokens"] == pytest.approx(3.5)
+    assert report["accuracy_by_count"] == {"2": 50.0, "3": 50.0, "5": 50.0}
+    assert list(report["accuracy_by_count"]) == ["2", "3", "5"]
+    assert report["samples"] == [
+        {"problem": "q0", "gold": 3, "completion": texts_and_golds[0][0], "answer": 3},
+        {"problem": "q1", "gold": 3, "completion": texts_and_golds[1][0], "answer": 4},
+    ]
+
+
+def test_evaluate_reports_consistent_scores(tiny_model_dir: Path, tiny_split_dir: Path) -> None:
+    report = evaluate(tiny_model_dir, tiny_split_dir, batch_size=3, devices=["cpu"], num_samples=8,
+                      max_new_tokens=SHORT)
+    golds = validate_solutions(load_split(tiny_split_dir))
+    assert report["n"] == len(golds) == len(report["samples"]) == 8
+    assert [sample["gold"] for sample in report["samples"]] == golds
+    answers = [extract_answer(sample["completion"]) for sample in report["samples"]]
+    assert [sample["answer"] for sample in report["samples"]] == answers
+    assert report["correct"] == sum(answer == gold for answer, gold in zip(answers, golds))
+    assert report["accuracy_pct"] == pytest.approx(100 * report["correct"] / 8)
+    assert report["format_rate"] == pytest.approx(100 * sum(a is not None for a in answers) / 8)
+    by_count = {str(gold): golds.count(gold) for gold in set(golds)}
+    assert set(report["accuracy_by_count"]) == set(by_count)
+    assert sum(report["accuracy_by_count"][key] * size / 100 for key, size in by_count.items()) == pytest.approx(
+        report["correct"]
+    )
+    assert 1 <= report["mean_completion_tokens"] <= SHORT
+    assert report["examples_per_s"] == pytest.approx(8 / report["seconds"])
+    assert (report["model"], report["data"], report["devices"]) == (str(tiny_model_dir), str(tiny_split_dir), ["cpu"])
+
+
+def test_two_worker_processes_give_the_same_completions_as_one(tiny_model_dir: Path, tiny_split_dir: Path) -> None:
+    kwargs = {"limit": 5, "seed": 3, "batch_size": 2, "num_samples": 5, "max_new_tokens": SHORT}
+    one = evaluate(tiny_model_dir, tiny_split_dir, devices=["cpu"], **kwargs)
+    two = evaluate(tiny_model_dir, tiny_split_dir, devices=["cpu", "cpu"], **kwargs)
+    assert two["devices"] == ["cpu", "cpu"]
+    assert two["samples"] == one["samples"]
+    assert two["mean_completion_tokens"] == one["mean_completion_tokens"]
+
+
+def test_the_command_line_writes_the_report(tiny_model_dir: Path, tiny_split_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "runs" / "report.json"
+    command = [sys.executable, "-m", "evaluator", str(tiny_model_dir), str(tiny_split_dir), "--limit", "2",
+               "--batch-size", "2", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["n"] == 2 and report["max_new_tokens"] == 256  # the command line runs the protocol as it is
+    assert f"accuracy {report['accuracy_pct']:.2f}%" in done.stdout
+
+
+def test_the_command_line_rejects_bad_input_in_one_line(
+    tiny_model_dir: Path, tiny_split_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    done = subprocess.run([sys.executable, "-m", "evaluator", str(tmp_path / "absent"), str(tiny_split_dir)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"evaluator: {tmp_path / 'absent'}: no such model folder"]
+    # The rest in-process: the exit code is what main() returns.
+    (tmp_path / "other_model").mkdir()
+    (tmp_path / "other_model" / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    cases = {
+        (str(tmp_path / "other_model"), str(tiny_split_dir)): "model_type is 'qwen2_5_vl'",
+        (str(tiny_model_dir), str(tmp_path / "absent")): "no such folder",
+        (str(tiny_model_dir), str(tiny_model_dir)): "neither a save_to_disk folder nor",
+    }
+    for (model_dir, data_dir), message in cases.items():
+        assert main([model_dir, data_dir]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and len(captured.err.strip().splitlines()) == 1 and message in captured.err
