@@ -1,0 +1,316 @@
+"""One GRPO round end to end on the tiny model (CPU): launched as the search launches it, stopped, failed.
+
+Kept lean for a 2-core machine: 56x56 images, 2 generations of 16 tokens, 1-3 steps per round. The tiny random
+model never produces a parsable answer, so the rounds that must show learning add a test-only reward that varies
+between completions (`token_parity`), registered by a small launcher script before the trainer's own main().
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_machines", "1",
+          "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+PROGRESS_FIELDS = {
+    "step", "seconds", "rewards", "reward", "reward_std", "kl", "completion_length", "format_rate", "learning_rate",
+}  # fmt: skip
+# Two workers on two cores: one thread each, or they fight over the cores.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+# A launcher that registers a reward which varies between random completions (so the policy gets a gradient),
+# then runs the trainer's real entry point.
+LAUNCHER = f"""
+import sys
+sys.path.insert(0, {str(REPO)!r})
+from trainer import rewards
+
+def token_parity(completion_ids, **kwargs):
+    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+rewards.REWARDS["token_parity"] = token_parity
+from trainer.__main__ import main
+sys.exit(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def splits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from synthetic.splits import write_split
+
+    root = tmp_path_factory.mktemp("splits")
+    return {
+        "train": write_split(root / "train", "train", 16, seed=0, image_size=(56, 56), count_range=(1, 4)),
+        "ood": write_split(root / "ood", "other", 4, seed=1, image_size=(56, 56), count_range=(1, 4)),
+    }
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("launcher") / "launch_with_test_reward.py"
+    path.write_text(LAUNCHER)
+    return path
+
+
+def write_trial(folder: Path, model: Path, splits: dict[str, Path], **overrides) -> Path:
+    config = {
+        "model_path": str(model),
+        "train_path": str(splits["train"]),
+        "output_dir": str(folder / "run"),
+        "steps": 3,
+        "num_generations": 2,
+        "prompts_per_step": 1,
+        "generation_steps": 1,
+        "max_completion_length": 16,
+        "max_pixels": 56 * 56,
+        "lora_rank": 4,
+        "learning_rate": 1e-2,
+        **overrides,
+    }
+    path = folder / "trial.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        print(result.stdout[-6000:], result.stderr[-6000:], sep="\n")
+    return result
+
+
+def read_status(out: Path) -> dict:
+    return json.loads((out / "status.json").read_text())
+
+
+def read_progress(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
+
+
+def load_merged(path: Path):
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration.from_pretrained(path), AutoProcessor.from_pretrained(path)
+
+
+def changed_weights(base_dir: Path, merged_dir: Path) -> list[str]:
+    base, _ = load_merged(base_dir)
+    merged, _ = load_merged(merged_dir)
+    merged_state = merged.state_dict()
+    return [name for name, tensor in base.state_dict().items() if not torch.equal(tensor, merged_state[name])]
+
+
+# ------------------------------------------------------------------------------------------- configuration
+def test_bad_config_exits_2_with_one_line(tmp_path, tiny_model_dir, splits):
+    bad_path = write_trial(tmp_path, tmp_path / "no_model", splits)
+    result = run([sys.executable, "-m", "trainer", "--config", str(bad_path)], timeout=60)
+    assert result.returncode == 2
+    assert "model_path" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+    # 1 prompt x 3 generations cannot split over 2 processes: caught before anything is loaded.
+    odd = write_trial(tmp_path, tiny_model_dir, splits, num_generations=3)
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer", "--config", str(odd)],
+        cwd=REPO, env={**ENV, "WORLD_SIZE": "2"}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2 and "prompts_per_step" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_prompts_carry_image_and_phrasing(tmp_path, tiny_model_dir, splits):
+    from evaluator.data import load_split
+    from evaluator.protocol import EVAL_TEMPLATE, INHERITED_TEMPLATE, format_prompt
+    from trainer.config import TrialConfig
+    from trainer.data import build_train_dataset
+
+    def texts(phrasing: str, **extra) -> list[str]:
+        config = TrialConfig.from_json(write_trial(tmp_path, tiny_model_dir, splits, phrasing=phrasing, **extra))
+        dataset = build_train_dataset(config)
+        rows = [dataset[i] for i in range(len(dataset))]
+        for row in rows:
+            (turn,) = row["prompt"]  # one user turn, no system message
+            assert turn["role"] == "user" and turn["content"][0] == {"type": "image"}
+            assert row["image"].size == (56, 56) and row["solution"].startswith("<answer>")
+        return [row["prompt"][0]["content"][1]["text"] for row in rows]
+
+    problems = load_split(splits["train"])["problem"]
+    assert texts("eval") == [format_prompt(p, EVAL_TEMPLATE) for p in problems]
+    assert texts("inherited") == [format_prompt(p, INHERITED_TEMPLATE) for p in problems]
+    mixed = texts("mix")
+    assert mixed == texts("mix")  # seeded
+    assert all(t in (format_prompt(p, EVAL_TEMPLATE), format_prompt(p, INHERITED_TEMPLATE))
+               for t, p in zip(mixed, problems))  # fmt: skip
+    assert {" First output " in t for t in mixed} == {True, False}
+    subset = texts("mix", train_rows=5)
+    assert len(subset) == 5 and set(subset) <= set(mixed)
+
+
+def test_training_images_are_the_verifiers_pixels(tmp_path, tiny_model_dir):
+    from transformers import AutoProcessor
+
+    from evaluator.data import load_split
+    from evaluator.generation import build_inputs
+    from synthetic.splits import write_split
+    from trainer.config import TrialConfig
+    from trainer.data import build_train_dataset
+    from trainer.round import _training_processor
+
+    # 90x62: not multiples of 28, so both paths resize.
+    split = write_split(tmp_path / "odd", "train", 2, seed=0, image_size=(90, 62), count_range=(1, 2))
+    config = TrialConfig.from_json(write_trial(tmp_path, tiny_model_dir, {"train": split}, max_pixels=401408))
+    trained = build_train_dataset(config)[0]
+    training = _training_processor(config).image_processor(images=[trained["image"]], return_tensors="pt")
+    verifier = build_inputs(AutoProcessor.from_pretrained(tiny_model_dir), [load_split(split)[0]])
+    assert torch.equal(training["image_grid_thw"], verifier["image_grid_thw"])
+    assert torch.equal(training["pixel_values"], verifier["pixel_values"])
+
+
+# ------------------------------------------------------------------------------------------- merged LoRA generation
+def test_merged_lora_generation_matches_peft_and_restores_base_exactly(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from trainer.lora_generation import lora_layers, merged_lora
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    # init_lora_weights=False: a random, non-zero B, so the adapter really changes the logits.
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=r"^(?:.*\.)?language_model\.(?:.*\.)?(?:q_proj|down_proj)$",
+                        init_lora_weights=False)  # fmt: skip
+    peft_model = get_peft_model(model, config)
+    layers = lora_layers(peft_model)
+    assert layers and all("language_model" in name for name, m in peft_model.named_modules() if m in layers)
+    base = [(layer.get_base_layer().weight, layer.get_base_layer().weight.data.clone()) for layer in layers]
+    storage = [weight.data.data_ptr() for weight, _ in base]
+    ids = torch.randint(0, 3000, (2, 12))
+    with torch.no_grad():
+        with peft_model.disable_adapter():
+            plain = peft_model(input_ids=ids).logits
+        adapted = peft_model(input_ids=ids).logits
+        with merged_lora(peft_model):
+            assert all(layer.merged for layer in layers)
+            merged = peft_model(input_ids=ids).logits
+        after = peft_model(input_ids=ids).logits
+    assert not torch.allclose(plain, adapted, atol=1e-4)  # the adapter matters
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
+    assert not any(layer.merged for layer in layers)
+    assert all(torch.equal(weight.data, original) for weight, original in base)  # bit-identical
+    assert [weight.data.data_ptr() for weight, _ in base] == storage  # the very same tensors
+    assert torch.equal(after, adapted)
+
+
+# ------------------------------------------------------------------------------------------- rounds
+def test_lora_round_on_two_processes_trains_saves_and_reports(tmp_path, tiny_model_dir, splits, launcher):
+    trial = write_trial(
+        tmp_path, tiny_model_dir, splits,
+        reward_weights={"token_parity": 1.0, "accuracy": 1.0}, beta=0.04, prompts_per_step=2, generation_steps=2,
+        ood_path=str(splits["ood"]), eval_every=2, eval_rows=2,
+    )  # fmt: skip
+    out = tmp_path / "run"
+    result = run([*LAUNCH, "--num_processes", "2", str(launcher), "--config", str(trial)])
+    assert result.returncode == 0
+    status = read_status(out)
+    assert status["state"] == "completed" and status["steps_done"] == 3
+    assert set(status["timings"]) == {"setup", "train", "save"}
+
+    lines = read_progress(out)
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    for line in lines:
+        assert PROGRESS_FIELDS <= set(line)
+        assert set(line["rewards"]) == {"token_parity", "accuracy"} and line["format_rate"] == 0.0
+        assert line["kl"] is not None and line["completion_length"] > 0
+    assert [("ood_accuracy" in line) for line in lines] == [False, True, False]
+    assert 0.0 <= lines[1]["ood_accuracy"] <= 100.0
+
+    merged = out / "merged"
+    changed = changed_weights(tiny_model_dir, merged)
+    assert changed, "training changed no weight"
+    assert all("language_model" in name and name.split(".")[-2].endswith("proj") for name in changed)
+    assert json.loads((merged / "config.json").read_text()) == json.loads((tiny_model_dir / "config.json").read_text())
+
+    from evaluator import evaluate
+
+    report = evaluate(merged, splits["ood"], limit=2, batch_size=2, max_new_tokens=16)  # short: a load check
+    assert report["n"] == 2 and 0.0 <= report["accuracy_pct"] <= 100.0
+
+
+def test_full_finetuning_round_on_two_processes_freezes_the_vision_tower(tmp_path, tiny_model_dir, splits, launcher):
+    trial = write_trial(tmp_path, tiny_model_dir, splits, lora_rank=0, learning_rate=1e-3, steps=2,
+                        reward_weights={"token_parity": 1.0})  # fmt: skip
+    out = tmp_path / "run"
+    result = run([*LAUNCH, "--num_processes", "2", str(launcher), "--config", str(trial)])
+    assert result.returncode == 0
+    assert read_status(out)["state"] == "completed"
+    lines = read_progress(out)
+    assert [line["step"] for line in lines] == [1, 2] and all(PROGRESS_FIELDS <= set(line) for line in lines)
+    assert lines[0]["kl"] is None  # beta 0: TRL computes no KL
+    changed = changed_weights(tiny_model_dir, out / "merged")
+    assert any("language_model" in name for name in changed)
+    assert not any("visual" in name for name in changed)
+    load_merged(out / "merged")
+
+
+def test_stop_file_stops_every_process_after_one_step_and_saves(tmp_path, tiny_model_dir, splits):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "STOP").touch()  # present from the start: the round must still end within one step
+    trial = write_trial(tmp_path, tiny_model_dir, splits, lora_rank=0, steps=50)
+    result = run([*LAUNCH, "--num_processes", "2", "-m", "trainer", "--config", str(trial)])
+    assert result.returncode == 0
+    status = read_status(out)
+    assert status["state"] == "stopped" and status["reason"] == "STOP file" and status["steps_done"] == 1
+    assert len(read_progress(out)) == 1
+    load_merged(out / "merged")
+
+
+def test_sigterm_stops_a_single_process_round_and_saves(tmp_path, tiny_model_dir, splits):
+    trial = write_trial(tmp_path, tiny_model_dir, splits, steps=500)
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(trial)], cwd=REPO, env=ENV,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not ((out / "progress.jsonl").exists() and (out / "progress.jsonl").read_text()):
+            assert process.poll() is None and time.monotonic() < deadline, "no progress line"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, output[-6000:]
+    status = read_status(out)
+    assert status["state"] == "stopped" and status["reason"] == "SIGTERM"
+    assert 1 <= status["steps_done"] <= 3 and status["steps_done"] == len(read_progress(out))
+    load_merged(out / "merged")
+
+
+@pytest.mark.parametrize(
+    ("reward", "expected"),
+    [
+        (lambda completions, **kwargs: [float("inf")] * len(completions), "NaN"),
+        (lambda completions, **kwargs: 1 / 0, "ZeroDivisionError"),
+    ],
+    ids=["inf_reward", "raising_reward"],
+)
+def test_a_failing_round_writes_failed_status_with_the_reason(tmp_path, tiny_model_dir, splits, monkeypatch,
+                                                              reward, expected):  # fmt: skip
+    from trainer import rewards
+    from trainer.config import TrialConfig
+    from trainer.round import run_round
+
+    monkeypatch.setitem(rewards.REWARDS, "bad", reward)
+    config = TrialConfig.from_json(write_trial(tmp_path, tiny_model_dir, splits, lora_rank=0,
+                                               reward_weights={"bad": 1.0}))  # fmt: skip
+    result = run_round(config)
+    status = read_status(tmp_path / "run")
+    assert result.state == status["state"] == "failed"
+    assert status["reason"].startswith(expected) and status["steps_done"] <= 1
+    assert not (tmp_path / "run" / "merged").exists()

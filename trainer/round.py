@@ -1,0 +1,318 @@
+"""One GRPO round: `run_round(config) -> RoundResult`. Trains `config.model_path` on `config.train_path` with TRL's
+GRPOTrainer and leaves in `config.output_dir`:
+
+- `progress.jsonl`: one line per optimizer step (see trainer.progress);
+- `status.json`: state completed | stopped | failed, reason, steps_done, timings (see trainer.status);
+- `merged/`: the full model (LoRA merged in), tokenizer and processor, loadable with
+  `Qwen2VLForConditionalGeneration.from_pretrained` / `AutoProcessor.from_pretrained`. Written into a temporary
+  sibling and renamed, so a folder called `merged` is always complete.
+
+Stopping a round early: create a file named `STOP` in `output_dir`, or send SIGTERM. The round finishes the step in
+flight (a STOP file present from the start: after step 1), ends with state "stopped" and still saves `merged/`.
+Under `accelerate launch`, prefer the STOP file: the launcher then exits normally after its workers. SIGTERM to the
+launcher's process group does reach the workers, which stop the same way, but the launcher does not wait for them
+as it should: `--multi_gpu` (torch's elastic agent) SIGKILLs them 30 s later, which can cut a save short (then
+there is no `merged/` and no status.json), and the CPU launcher exits at once while they finish.
+A NaN/inf loss, gradient norm or reward stops the round as "failed" (reason "NaN ...") without saving; any
+exception makes it "failed" with the exception's type, message and traceback tail (an out-of-memory error: reason
+"out of memory: ...").
+
+Works the same under plain `python -m trainer` (one process) and `accelerate launch --num_processes N` (CPU or GPU):
+TRL/accelerate do the data-parallel work; everything written to disk is written by the main process.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import PartialState
+from peft import LoraConfig, PeftModel
+from transformers import AutoConfig, AutoProcessor, GenerationConfig, Qwen2VLForConditionalGeneration
+from transformers.image_utils import SizeDict
+from trl import GRPOConfig
+
+from evaluator.generation import generate_completions
+from evaluator.protocol import extract_answer, parse_gold
+from trainer.config import ConfigError, TrialConfig
+from trainer.data import build_ood_subset, build_train_dataset
+from trainer.layout import BatchLayout, batch_layout
+from trainer.lora_generation import MergedLoraGRPOTrainer, merged_lora
+from trainer.progress import FORMAT_RATE, PROGRESS_FILE, ProgressCallback, StopRequest, format_rate
+from trainer.rewards import build_reward_funcs
+from trainer.status import (
+    STATUS_FILE,
+    describe_exception,
+    earliest_failure,
+    record_rank_failure,
+    write_status,
+)
+
+MERGED_DIR = "merged"
+TRL_DIR = "trl"  # the trainer's own output_dir (nothing is checkpointed there: save_strategy "no")
+# Rows per greedy batch in the intermediate evaluation (64 rows of ~300 prompt + 256 new tokens: ~1 GB of KV cache
+# for the 2B model; small next to training memory).
+EVAL_BATCH_SIZE = 32
+
+
+@dataclass
+class RoundResult:
+    state: str  # "completed" | "stopped" | "failed"
+    reason: str | None
+    steps_done: int
+    timings: dict[str, float] = field(default_factory=dict)
+    merged_dir: str | None = None
+    output_dir: str = ""
+
+
+def run_round(config: TrialConfig) -> RoundResult:
+    """Train one round as configured; never raises for a training problem (the result and status.json say it)."""
+    start = time.monotonic()
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    distributed = PartialState()  # under accelerate launch / torchrun this joins the process group
+    is_main = distributed.is_main_process
+    if is_main:
+        _clear_previous_outputs(out)
+    stop = StopRequest(out)
+    stop.install()
+    timings = {"setup": 0.0, "train": 0.0, "save": 0.0}
+    state, reason, steps_done, merged = "failed", None, 0, None
+    progress: ProgressCallback | None = None
+    try:
+        layout = batch_layout(config, distributed.num_processes)
+        trainer, progress = _build_trainer(config, layout, start, stop, distributed.device)
+        timings["setup"] = time.monotonic() - start
+
+        began = time.monotonic()
+        trainer.train()
+        timings["train"] = time.monotonic() - began
+        steps_done = trainer.state.global_step
+
+        if progress.failure is not None:
+            state, reason = "failed", progress.failure  # poisoned weights: nothing worth saving
+        else:
+            stopped_early = progress.stop_reason is not None and steps_done < config.steps
+            state, reason = ("stopped", progress.stop_reason) if stopped_early else ("completed", None)
+            began = time.monotonic()
+            if is_main:
+                merged = str(save_merged(trainer, config))
+            timings["save"] = time.monotonic() - began
+    except (Exception, KeyboardInterrupt) as exc:
+        state, reason = "failed", describe_exception(exc)
+        if progress is not None:
+            steps_done = progress.steps_done
+        if distributed.num_processes > 1:
+            record_rank_failure(out, distributed.process_index, reason)
+        if not is_main and not (out / STATUS_FILE).exists():
+            write_status(out, state, f"rank {distributed.process_index}: {reason}", steps_done, timings)
+    finally:
+        stop.restore()
+    if is_main:
+        if state == "failed" and reason is not None and not reason.startswith("NaN"):
+            first = earliest_failure(out)
+            if first is not None and first["rank"] != distributed.process_index:
+                reason = f"rank {first['rank']}: {first['reason']}"
+        write_status(out, state, reason, steps_done, timings)
+    return RoundResult(state, reason, steps_done, timings, merged, str(out))
+
+
+def _clear_previous_outputs(out: Path) -> None:
+    """A re-run in the same folder starts a new round: old lines, status and failures would be read as its own.
+    A STOP file is kept: it may have been written on purpose before the round got going."""
+    for path in [out / PROGRESS_FILE, out / STATUS_FILE, *out.glob("failure.rank*.json")]:
+        path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------------- building
+def _build_trainer(
+    config: TrialConfig, layout: BatchLayout, start: float, stop: StopRequest, device: torch.device
+) -> tuple[MergedLoraGRPOTrainer, ProgressCallback]:
+    on_gpu = device.type == "cuda"
+    reward_funcs, reward_weights = build_reward_funcs(config)
+    train_dataset = build_train_dataset(config)
+    if len(train_dataset) < layout.generation_prompts:
+        raise ConfigError(
+            "train_rows",
+            f"{len(train_dataset)} train rows; one generation needs prompts_per_step x generation_steps = "
+            f"{layout.generation_prompts} distinct prompts",
+        )
+    ood_rows = build_ood_subset(config)
+
+    model = _load_model(config, on_gpu)
+    processor = _training_processor(config)
+    if FORMAT_RATE not in config.reward_weights:  # else the configured reward of that name is logged as it
+        reward_funcs, reward_weights = reward_funcs + [format_rate], reward_weights + [0.0]
+    args = _grpo_config(config, layout, reward_weights, on_gpu)
+    progress = ProgressCallback(
+        config.output_dir,
+        reward_names=list(config.reward_weights),
+        start_time=start,
+        stop=stop,
+        eval_every=config.eval_every if ood_rows is not None else 0,
+    )
+    trainer = MergedLoraGRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,  # with `format_rate` at weight 0: a logged diagnostic, see trainer.progress
+        args=args,
+        train_dataset=train_dataset,
+        processing_class=processor,
+        callbacks=[progress],
+        peft_config=_lora_config(config),
+    )
+    if ood_rows is not None:
+        # The verifier's own preprocessing: the base processor, not the training one with its max_pixels.
+        progress.evaluate = _ood_evaluator(
+            trainer,
+            AutoProcessor.from_pretrained(config.model_path),
+            GenerationConfig.from_pretrained(config.model_path),
+            ood_rows,
+        )
+    progress.bind(trainer.accelerator)
+    return trainer, progress
+
+
+def _load_model(config: TrialConfig, on_gpu: bool) -> Qwen2VLForConditionalGeneration:
+    # GPU: LoRA keeps the frozen base in bfloat16 (peft keeps its adapters in float32) under bf16 autocast. Full
+    # fine-tuning keeps float32 master weights under the same autocast: AdamW steps of ~lr (1e-6 .. 1e-5) are far
+    # below bfloat16's resolution for weights of magnitude ~1e-2 (spacing ~1e-4), so pure-bf16 weights would round
+    # almost every update away. CPU: float32 throughout (no fast bf16 matmuls there).
+    dtype = torch.bfloat16 if on_gpu and not config.full_finetuning else torch.float32
+    model = Qwen2VLForConditionalGeneration.from_pretrained(config.model_path, dtype=dtype, attn_implementation="sdpa")
+    if config.full_finetuning:
+        # Full fine-tuning trains the language model (embeddings, decoder, tied LM head) and freezes the vision tower
+        # and its merger. R1-V trained everything, but its gain was format and answer length (language side), the
+        # OOD test is a different renderer (vision features fitted to the train renderer are the part most likely to
+        # transfer badly), LoRA adapts only the language model (so the two arms of the search differ in capacity,
+        # not in which half moves), and a frozen tower saves its gradients and AdamW state (~0.6B parameters).
+        model.model.visual.requires_grad_(False)
+    return model
+
+
+def _lora_config(config: TrialConfig) -> LoraConfig | None:
+    if config.full_finetuning:
+        return None
+    # A regex (peft full-matches it against module names) restricted to the language model: Qwen2-VL's vision
+    # blocks use other names today (qkv, proj, fc1, fc2), but a bare name list would also catch any vision module
+    # that shares a name.
+    targets = "|".join(sorted(set(config.lora_targets)))
+    return LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.effective_lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=rf"^(?:.*\.)?language_model\.(?:.*\.)?(?:{targets})$",
+        bias="none",
+    )
+
+
+def _training_processor(config: TrialConfig) -> Any:
+    """The processor TRL tokenizes with: left padding, images capped at `config.max_pixels`."""
+    processor = AutoProcessor.from_pretrained(config.model_path, padding_side="left")
+    image_processor = processor.image_processor
+    # A new SizeDict rather than `max_pixels=` at load: transformers 5.17 writes that kwarg into the class-level
+    # default `size` dict when the folder has none, changing every later processor in the process.
+    image_processor.size = SizeDict(
+        shortest_edge=image_processor.size["shortest_edge"], longest_edge=config.max_pixels
+    )
+    return processor
+
+
+def _grpo_config(config: TrialConfig, layout: BatchLayout, reward_weights: list[float], on_gpu: bool) -> GRPOConfig:
+    # transformers' "constant" schedule ignores warmup; "constant_with_warmup" is the constant schedule with it.
+    schedule = config.lr_schedule
+    if schedule == "constant" and config.warmup_ratio > 0:
+        schedule = "constant_with_warmup"
+    return GRPOConfig(
+        output_dir=str(Path(config.output_dir) / TRL_DIR),
+        max_steps=config.steps,
+        learning_rate=config.learning_rate,
+        lr_scheduler_type=schedule,
+        warmup_steps=config.warmup_ratio,  # transformers 5: a float below 1 is a ratio of max_steps
+        beta=config.beta,
+        num_generations=config.num_generations,
+        per_device_train_batch_size=layout.per_device_train_batch_size,
+        gradient_accumulation_steps=1,
+        steps_per_generation=layout.steps_per_generation,
+        temperature=config.temperature,
+        loss_type=config.loss_type,
+        epsilon=config.epsilon,
+        epsilon_high=config.epsilon_high,
+        scale_rewards=config.scale_rewards,
+        max_completion_length=config.max_completion_length,
+        reward_weights=reward_weights,
+        bf16=on_gpu,  # GRPOConfig defaults bf16 to True, which on CPU would mean slow bf16 autocast
+        gradient_checkpointing=config.gradient_checkpointing,
+        # Every trainable parameter is used in every step (the vision tower is frozen), so DDP need not search the
+        # graph for unused ones (TRL turns that search on for vision-language models).
+        ddp_find_unused_parameters=False,
+        # The reference model (full fine-tuning with beta > 0) only scores: bfloat16 halves its memory on GPU.
+        model_init_kwargs={"dtype": "bfloat16"} if on_gpu and config.full_finetuning and config.beta > 0 else None,
+        seed=config.seed,
+        logging_steps=1,
+        logging_nan_inf_filter=False,  # the default hides a NaN loss from the logs, and so from the NaN guard
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=on_gpu,
+    )
+
+
+def _ood_evaluator(trainer: MergedLoraGRPOTrainer, processor: Any, generation_config: GenerationConfig, rows: Any):
+    """Greedy accuracy of the current policy on the OOD subset, prompted and decoded exactly as the verifier does:
+    the base processor and the base generation config (the Trainer rewrote the live one's end-of-sequence ids)."""
+    golds = [parse_gold(solution) for solution in rows["solution"]]
+
+    def evaluate() -> dict[str, float]:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        target = model.get_base_model() if isinstance(model, PeftModel) else model
+        was_training, live_generation_config = model.training, target.generation_config
+        model.eval()
+        target.generation_config = generation_config
+        try:
+            # With LoRA: the adapter merged in (the policy being trained), as in the rollouts.
+            with merged_lora(model) if isinstance(model, PeftModel) else nullcontext():
+                completions = generate_completions(target, processor, rows, batch_size=EVAL_BATCH_SIZE)
+        finally:
+            target.generation_config = live_generation_config
+            model.train(was_training)
+        answers = [extract_answer(completion.text) for completion in completions]
+        correct = sum(answer is not None and answer == gold for answer, gold in zip(answers, golds, strict=True))
+        return {
+            "ood_accuracy": 100.0 * correct / len(golds),
+            "ood_format_rate": sum(answer is not None for answer in answers) / len(golds),
+        }
+
+    return evaluate
+
+
+# ---------------------------------------------------------------------------------------------------- saving
+def save_merged(trainer: MergedLoraGRPOTrainer, config: TrialConfig) -> Path:
+    """The trained model with LoRA merged, in the base checkpoint's dtype, plus the base processor and generation
+    config, written to `output_dir/merged` through a temporary sibling and a rename."""
+    out = Path(config.output_dir)
+    final, tmp = out / MERGED_DIR, out / f".{MERGED_DIR}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if isinstance(model, PeftModel):
+        model = model.merge_and_unload(safe_merge=True)  # safe_merge: raises on NaN instead of saving garbage
+    # The base's own config and generation config: training edits the live ones (Trainer sets use_cache=False and
+    # copies the tokenizer's special ids over them), while the verifier generates from what is saved. The weights
+    # go back to the base checkpoint's dtype (bfloat16 for Qwen2-VL-2B), which that config declares.
+    base_config = AutoConfig.from_pretrained(config.model_path)
+    if base_config.dtype is not None:
+        model = model.to(base_config.dtype)
+    model.config = base_config
+    model.generation_config = GenerationConfig.from_pretrained(config.model_path)
+    model.save_pretrained(tmp)
+    # The base processor, untouched: the training one differs (left padding, the round's max_pixels), while the
+    # verifier's preprocessing (qwen_vl_utils, then the processor) assumes the shipped settings.
+    AutoProcessor.from_pretrained(config.model_path).save_pretrained(tmp)
+    shutil.rmtree(final, ignore_errors=True)  # a re-run of the same round replaces the old folder
+    tmp.rename(final)
+    return final
