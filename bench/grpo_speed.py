@@ -1,0 +1,172 @@
+"""GRPO completions/s on a GPU: this project's round (trainer.run_round) against TRL's defaults, full fine-tuning and
+LoRA, the same group size, in one run.
+
+    python bench/grpo_speed.py --model built/qwen2vl-2b --out bench/results/grpo.json
+
+The model is the random-weight Qwen2-VL-2B (built with `synthetic.models.build_model(size="2b")` when --model does
+not exist): with random weights every completion runs to the token cap, the worst case. TRL's defaults: the same
+model, data, rewards, group size and completion cap, everything else GRPOConfig's defaults (one generation per
+optimizer step, rollouts through the unmerged peft model for LoRA). Steady-state seconds per step are measured
+between step ends, after the first generation, so model loading and warm-up are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoProcessor, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from synthetic.models import build_model
+from synthetic.splits import write_split
+from trainer.config import TrialConfig
+from trainer.data import build_train_dataset
+from trainer.round import _lora_config, run_round
+from trainer.rewards import build_reward_funcs
+
+
+class StepClock(TrainerCallback):
+    def __init__(self):
+        self.ends: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.ends.append(time.perf_counter())
+
+
+def peak_gb() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        reset_peak()
+
+
+def steady_seconds_per_step(ends: list[float], skip: int) -> float:
+    return (ends[-1] - ends[skip - 1]) / (len(ends) - skip)
+
+
+def trl_defaults(config: TrialConfig, steps: int) -> dict:
+    """TRL 1.16's GRPOTrainer with its defaults for everything this comparison does not fix."""
+    funcs, weights = build_reward_funcs(config)
+    clock = StepClock()
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        max_steps=steps,
+        num_generations=config.num_generations,
+        per_device_train_batch_size=config.num_generations,
+        max_completion_length=config.max_completion_length,
+        reward_weights=weights,
+        model_init_kwargs={"dtype": "bfloat16" if torch.cuda.is_available() else "float32"},
+        bf16=torch.cuda.is_available(),
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    processor = AutoProcessor.from_pretrained(config.model_path, padding_side="left")
+    trainer = GRPOTrainer(
+        model=config.model_path,
+        reward_funcs=funcs,
+        args=args,
+        train_dataset=build_train_dataset(config),
+        processing_class=processor,
+        callbacks=[clock],
+        peft_config=_lora_config(config),
+    )
+    reset_peak()
+    trainer.train()
+    seconds = steady_seconds_per_step(clock.ends, skip=1)
+    result = {
+        "steps": steps,
+        "s_per_step": seconds,
+        "completions_per_s": config.num_generations / seconds,
+        "peak_gb": peak_gb(),
+    }
+    del trainer
+    return result
+
+
+def ours(config: TrialConfig) -> dict:
+    reset_peak()
+    result = run_round(config)
+    lines = [json.loads(line) for line in (Path(config.output_dir) / "progress.jsonl").read_text().splitlines()]
+    ends = [line["seconds"] for line in lines]
+    seconds = steady_seconds_per_step(ends, skip=config.generation_steps)
+    return {
+        "state": result.state,
+        "steps": result.steps_done,
+        "s_per_step": seconds,
+        "completions_per_s": config.prompts_per_step * config.num_generations / seconds,
+        "peak_gb": peak_gb(),
+        "timings": result.timings,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="built/qwen2vl-2b")
+    parser.add_argument("--work", default="/tmp/grpo-bench")
+    parser.add_argument("--steps", type=int, default=8, help="steps of this project's rounds")
+    parser.add_argument("--trl-steps", type=int, default=4, help="steps of the TRL-defaults rounds")
+    parser.add_argument("--generation-steps", type=int, default=4)
+    parser.add_argument("--modes", default="full,lora")
+    parser.add_argument("--size", default="2b", help="model size built when --model does not exist")
+    parser.add_argument("--max-completion-length", type=int, default=256)
+    parser.add_argument("--out")
+    options = parser.parse_args()
+    work = Path(options.work)
+    model = Path(options.model)
+    if not (model / "config.json").exists():
+        build_model(model, size=options.size, seed=0)
+    train = work / "train"
+    if not train.exists():
+        write_split(train, "train", 64, seed=0)
+    figures: dict = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "versions": {m.__name__: m.__version__ for m in (torch, __import__("transformers"), __import__("trl"), __import__("peft"))},
+    }
+    for mode in options.modes.split(","):
+        base = dict(
+            model_path=str(model),
+            train_path=str(train),
+            reward_weights={"accuracy": 1.0, "answer_format": 0.5},
+            num_generations=8,
+            prompts_per_step=1,
+            max_completion_length=options.max_completion_length,
+            lora_rank=64 if mode == "lora" else 0,
+            learning_rate=1e-5 if mode == "lora" else 1e-6,
+        )
+        default = trl_defaults(TrialConfig(output_dir=str(work / f"trl-{mode}"), **base), options.trl_steps)
+        print(mode, "trl defaults", default, flush=True)
+        project = ours(
+            TrialConfig(
+                output_dir=str(work / f"ours-{mode}"),
+                steps=options.steps,
+                generation_steps=options.generation_steps,
+                **base,
+            )
+        )
+        print(mode, "ours", project, flush=True)
+        figures[mode] = {
+            "trl_defaults": default,
+            "ours": project,
+            "speedup": project["completions_per_s"] / default["completions_per_s"],
+        }
+    if "full" in figures and "lora" in figures:
+        figures["lora_vs_full"] = figures["lora"]["ours"]["completions_per_s"] / figures["full"]["ours"]["completions_per_s"]
+    print(json.dumps(figures, indent=2))
+    if options.out:
+        Path(options.out).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
