@@ -47,7 +47,7 @@ def peak_gb() -> float | None:
 def reset_peak() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        reset_peak()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def steady_seconds_per_step(ends: list[float], skip: int) -> float:
