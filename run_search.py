@@ -1,0 +1,222 @@
+"""Search GRPO rounds with Optuna under a wall-clock budget and promote the best merged model into the submission.
+
+    python run_search.py --hours 7.5                  # the box: budget.yaml, study.db, /app/submission
+    python run_search.py --simulate                   # rehearse the schedule on a virtual clock: no model, data, GPU
+    python run_search.py --demo                       # the whole loop on a tiny model and a synthetic box, minutes
+    python run_search.py leaderboard                  # print the study's leaderboard
+    optuna-dashboard study.db --artifact-dir artifacts
+
+Bad input (budget file, box, storage) is reported on one line with exit code 2, before any model is loaded and
+before a study, a round folder or the submission is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from search.settings import Settings, SettingsError, check_box, load_settings
+from search.study import StudyError, load_existing_study, open_study
+
+ROOT = Path(__file__).resolve().parent
+BUDGET = ROOT / "budget.yaml"
+DEMO_BUDGET = ROOT / "search" / "demo_budget.yaml"
+# Rows of the demo's synthetic box (small: rendered on a CPU in seconds).
+DEMO_SIZES = {"train": 256, "val": 32, "ood_val": 48, "test_compositional": 32, "test_other": 32}
+# A rehearsal gets its own journal file and a fresh study each time, so it never mixes with the real study.
+SIMULATED_STORAGE = "simulated/study.db"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit code 2, like every other bad input
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "leaderboard":
+            return _print_leaderboard(args)
+        return _search(args)
+    except (SettingsError, StudyError) as exc:
+        print(f"run_search.py: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="run_search.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", nargs="?", choices=["leaderboard"], help="print the leaderboard and exit")
+    parser.add_argument("--hours", help="wall-clock budget in hours (default: the budget file's)")
+    parser.add_argument("--budget", type=Path, help="budget file (default: budget.yaml; search/demo_budget.yaml with --demo)")
+    parser.add_argument("--storage", help="study storage: a journal file path or an SQLAlchemy URL")
+    parser.add_argument("--study-name", help="study name (an existing study is resumed, keeping its deadline)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--simulate", action="store_true", help="virtual clock and simulated rounds: no model, data or GPU")
+    mode.add_argument("--demo", action="store_true", help="build a tiny model and synthetic box under ./built and search")
+    return parser
+
+
+def _load(args: argparse.Namespace, **overrides: str | None) -> Settings:
+    budget = args.budget or (DEMO_BUDGET if args.demo else BUDGET)
+    values = {"hours": args.hours, "storage": args.storage, "study_name": args.study_name, **overrides}
+    return load_settings(budget, **values)
+
+
+def _print_leaderboard(args: argparse.Namespace) -> int:
+    from search.leaderboard import format_leaderboard
+
+    if args.simulate:
+        raise SettingsError("leaderboard: --simulate is for a search; give the simulated study's --storage instead")
+    print(format_leaderboard(load_existing_study(_load(args))))
+    return 0
+
+
+def _search(args: argparse.Namespace) -> int:
+    if args.simulate:
+        settings = _load(args, storage=args.storage or SIMULATED_STORAGE)
+        if args.study_name is None:
+            settings = dataclasses.replace(settings, study_name=f"{settings.study_name}-sim-{time.strftime('%Y%m%d-%H%M%S')}")
+    else:
+        settings = _load(args)
+        if args.demo:
+            _build_demo_box(settings)
+        check_box(settings)  # before the study exists, so bad input leaves nothing behind
+
+    from search.clock import VirtualClock, WallClock
+    from search.scheduler import Scheduler
+
+    clock = VirtualClock(start=time.time()) if args.simulate else WallClock()
+    study, deadline = open_study(settings, now=clock.now())
+    if args.simulate:
+        from search.simulated_backend import SimulatedBackend
+
+        backend = SimulatedBackend(settings, clock, seed=settings.seed)
+        promote = _recorded_promotion
+    else:
+        from search.local_backend import LocalBackend
+        from search.promotion import recover_submission
+
+        recover_submission(settings.submission_path)
+        backend = LocalBackend(settings)
+        promote = None  # the Scheduler's own: search.promotion.promote into settings.submission_path
+    folder = _results_folder(settings.storage)
+    finished = sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
+    where = settings.storage if "://" not in settings.storage else "the database"  # a URL may hold a password
+    print(f"study {settings.study_name} in {where}: deadline {_clock_time(deadline)}, {finished} round(s) "
+          f"finished before; watch it with: {_dashboard_command(settings.storage)}", flush=True)  # fmt: skip
+    scheduler = Scheduler(settings, study, deadline, backend, clock,
+                          on_round_end=_RoundEnd(settings, study, folder, plots=not args.simulate), promote=promote)  # fmt: skip
+    try:
+        scheduler.run()
+    except KeyboardInterrupt:
+        print("interrupted: running rounds were ended; the study and the submission are as they were", file=sys.stderr)
+        return 130
+    finally:
+        _write_leaderboard(study, folder)
+    print(_summary(study, settings, simulated=args.simulate))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------- hooks
+def _recorded_promotion(outcome, trial) -> bool:
+    """A simulated round's 'promotion': the scheduler records it on the trial; nothing is copied."""
+    return True
+
+
+class _RoundEnd:
+    """After each round: its plot into the dashboard, old weights deleted, the leaderboard rewritten. A failure
+    here is reported and the search goes on: hours of rounds are worth more than a plot."""
+
+    def __init__(self, settings: Settings, study, folder: Path, *, plots: bool):
+        self.settings, self.study, self.folder, self.plots = settings, study, folder, plots
+
+    def __call__(self, trial, outcome) -> None:
+        from search.plots import artifact_dir, plot_round, upload_plot
+        from search.promotion import prune_run_dirs
+
+        try:
+            run_dir = trial.user_attrs.get("run_dir")
+            if self.plots and run_dir:
+                png = plot_round(Path(run_dir) / "progress.jsonl", Path(run_dir) / f"round-{trial.number:04d}.png",
+                                 title=f"round {trial.number}: {outcome.state}")  # fmt: skip
+                if png is not None:
+                    upload_plot(self.study, trial, png, artifact_dir(self.settings.storage))
+                prune_run_dirs(self.study, self.settings.keep_rounds)
+            _write_leaderboard(self.study, self.folder)
+        except Exception as exc:  # noqa: BLE001 - see the class docstring
+            print(f"warning: after round {trial.number}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------- the demo
+def _build_demo_box(settings: Settings) -> None:
+    """The demo's model and data where demo_budget.yaml points, built once (a finished build is reused)."""
+    model = Path(settings.model_path)
+    if not (model / "config.json").is_file():
+        from synthetic.models import build_model
+
+        print(f"demo: building a tiny Qwen2-VL in {model}", flush=True)
+        _build_into(model, lambda partial: build_model(partial, "tiny", settings.seed))
+    box = Path(settings.train_path).parent
+    if not all(Path(getattr(settings, key)).is_dir() for key in ("train_path", "val_path", "ood_val_path")):
+        from synthetic.splits import write_box
+
+        print(f"demo: rendering a synthetic box in {box}", flush=True)
+        _build_into(box, lambda partial: write_box(partial, DEMO_SIZES, settings.seed))
+
+
+def _build_into(target: Path, build) -> None:
+    # Built aside and renamed into place, so an interrupted build is never mistaken for a finished one.
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    build(partial)
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(partial, target)
+
+
+# ---------------------------------------------------------------------------------------------------------- output
+def _results_folder(storage: str) -> Path:
+    """The leaderboard goes next to the study's journal file (the current folder for a database URL)."""
+    return Path(storage).parent if "://" not in storage else Path(".")
+
+
+def _write_leaderboard(study, folder: Path) -> None:
+    from search.leaderboard import write_leaderboard
+
+    write_leaderboard(study, folder)
+
+
+def _summary(study, settings: Settings, *, simulated: bool) -> str:
+    from search.leaderboard import format_leaderboard
+    from search.promotion import promoted
+
+    lines = [format_leaderboard(study), f"leaderboard: {_results_folder(settings.storage) / 'leaderboard.md'}"]
+    if not simulated:
+        marker = promoted(settings.submission_path)
+        lines.append(
+            f"submission: {settings.submission_path} holds trial {marker['trial']} ({marker['accuracy']:.1f}% on ood_val)"
+            if marker
+            else f"submission: nothing promoted into {settings.submission_path}"
+        )
+    return "\n".join(lines)
+
+
+def _dashboard_command(storage: str) -> str:
+    if "://" in storage:
+        return "optuna-dashboard STORAGE_URL --artifact-dir artifacts"
+    from search.plots import artifact_dir
+
+    return f"optuna-dashboard {storage} --artifact-dir {artifact_dir(storage)}"
+
+
+def _clock_time(unix: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(unix))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

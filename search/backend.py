@@ -1,0 +1,63 @@
+"""What a backend does for the scheduler: run one round (train, then evaluate) and report how it went.
+
+The split follows Syne Tune: the scheduler decides what runs, where and until when; a backend only runs a round
+and answers polls. `LocalBackend` runs the real trainer and evaluator as processes; `SimulatedBackend` fakes both
+on a virtual clock. Nothing here blocks: the scheduler polls `done()` and stops or kills rounds itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from trainer.config import TrialConfig
+
+# Phases a round goes through, as `RoundHandle.phase()` names them.
+TRAINING, EVALUATING, DONE = "training", "evaluating", "done"
+
+# Keys of `RoundOutcome.timings`, all measured wall-clock seconds. `DurationModel.observe` fits on these.
+#   setup: launch of the trainer process until its first step (imports and model loading included),
+#   train: the trainer's own training time (in-round evaluations included), save: saving and merging,
+#   eval:  both evaluation processes (OOD, then the val health check).
+# A part is absent when it did not run or failed. A part cut short by a kill is reported as `<part>_at_least`: a
+# lower bound that still corrects a model that under-predicts (otherwise every late round would be killed again).
+TIMING_KEYS = ("setup", "train", "save", "eval")
+
+
+@dataclass
+class RoundOutcome:
+    state: str  # "completed" | "stopped" | "failed" | "pruned"
+    reason: str | None
+    ood_accuracy: float | None  # the objective: the OOD report's accuracy_pct
+    val_accuracy: float | None  # the health check on a val subset
+    format_rate: float | None  # on OOD: percent of completions the verifier could parse (the evaluator's report)
+    mean_completion_tokens: float | None
+    steps_done: int
+    timings: dict[str, float] = field(default_factory=dict)
+    merged_dir: str | None = None  # the saved, merged model (None when nothing usable was saved)
+
+
+class RoundHandle(Protocol):
+    def progress(self) -> list[dict]:
+        """New complete progress.jsonl lines since the last call."""
+
+    def phase(self) -> str:
+        """TRAINING, EVALUATING or DONE (the scheduler's hang check watches only training)."""
+
+    def done(self) -> bool:
+        """True once training and evaluation are over (or the round was killed); advances the round."""
+
+    def request_stop(self, *, evaluate: bool = True) -> None:
+        """End training after the current step (the trainer's STOP file); the model is saved. With
+        `evaluate=False` (a pruned round) the evaluation is skipped to free the GPUs sooner."""
+
+    def kill(self) -> None:
+        """End the round now, whatever it is doing (the process group, then no evaluation)."""
+
+    def outcome(self) -> RoundOutcome:
+        """After `done()`: what the round achieved, read from its status and evaluation reports."""
+
+
+class Backend(Protocol):
+    def start(self, config: TrialConfig, gpus: list[int]) -> RoundHandle:
+        """Start a round of `config` on `gpus` ([] = CPU); returns at once."""

@@ -1,0 +1,271 @@
+"""Rounds as processes on this machine: the trainer, then the evaluator on the same GPUs.
+
+A round's folder (`config.output_dir`) ends up holding trial.json, train.log, progress.jsonl, status.json, merged/,
+eval.log, ood_eval.json and val_eval.json. Each process runs in its own session (process group) with
+CUDA_VISIBLE_DEVICES set to the round's GPUs, so rounds side by side never share a GPU and a kill reaches every
+child (accelerate's workers, dataloader workers). Nothing blocks except `kill`, which waits at most
+`kill_grace_s` for the trainer to exit on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from search.backend import DONE, EVALUATING, TRAINING, RoundOutcome
+from trainer.config import TrialConfig
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+class LocalBackend:
+    def __init__(self, settings):
+        self.settings = settings
+        # Overridable commands (tests substitute stub programs). None: `python -m trainer` for one process,
+        # `accelerate launch --num_processes N -m trainer` for several GPUs. Both get `--config RUN_DIR/trial.json`.
+        self.trainer_command: list[str] | None = None
+        self.evaluator_command: list[str] = [sys.executable, "-m", "evaluator"]
+        self.kill_grace_s = 30.0
+
+    def start(self, config: TrialConfig, gpus: list[int]) -> "LocalRound":
+        run_dir = Path(config.output_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # A folder left by an earlier study under the same runs_dir must not pass its files off as this round's.
+        for stale in ("STOP", "progress.jsonl", "status.json", "ood_eval.json", "val_eval.json"):
+            (run_dir / stale).unlink(missing_ok=True)
+        config.to_json(run_dir / "trial.json")
+        return LocalRound(self, run_dir, gpus)
+
+    def train_command(self, gpus: list[int], config_path: Path) -> list[str]:
+        if self.trainer_command is not None:
+            base = list(self.trainer_command)
+        elif len(gpus) > 1:
+            base = [
+                sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                "--num_processes", str(len(gpus)), "--num_machines", "1",
+                # Rounds side by side each run their own rendezvous: a fixed port would collide.
+                "--main_process_port", str(_free_port()),
+                "-m", "trainer",
+            ]  # fmt: skip
+        else:
+            base = [sys.executable, "-m", "trainer"]
+        return [*base, "--config", str(config_path)]
+
+    def eval_commands(self, merged: Path, run_dir: Path) -> list[tuple[str, list[str]]]:
+        """(name, command) of the evaluations after training: all of OOD (or `ood_rows` of it), then the val
+        health check. Subsets are seeded with the study's seed, so every round is scored on the same rows."""
+        s = self.settings
+        common = ["--batch-size", str(s.eval_batch_size)] if s.eval_batch_size else []
+        ood = [*self.evaluator_command, str(merged), s.ood_val_path, "--out", str(run_dir / "ood_eval.json")]
+        if s.ood_rows:
+            ood += ["--limit", str(s.ood_rows), "--seed", str(s.seed)]
+        commands = [("ood", ood + common)]
+        if s.val_rows:
+            val = [*self.evaluator_command, str(merged), s.val_path, "--limit", str(s.val_rows), "--seed", str(s.seed)]
+            commands.append(("val", val + ["--out", str(run_dir / "val_eval.json")] + common))
+        return commands
+
+
+class LocalRound:
+    """One round's processes. `done()` advances it: training -> evaluation(s) -> done."""
+
+    def __init__(self, backend: LocalBackend, run_dir: Path, gpus: list[int]):
+        self._backend = backend
+        self.run_dir = run_dir
+        self._env = dict(os.environ)
+        self._env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)  # "" hides every GPU from a CPU round
+        self._env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
+        self._phase = TRAINING
+        self._evaluate = True
+        self._offset = 0  # bytes of progress.jsonl already returned
+        self._state: str | None = None
+        self._reason: str | None = None
+        self._status: dict = {}
+        self._reports: dict[str, dict] = {}
+        self._eval_seconds: float | None = None  # once every evaluation is over
+        self._eval_so_far = 0.0
+        self._eval_cut: float | None = None  # the evaluation's seconds when a kill cut it short
+        self._pending_evals: list[tuple[str, list[str]]] = []
+        self._current_eval: str | None = None
+        self._train_seconds: float | None = None
+        command = backend.train_command(gpus, run_dir / "trial.json")
+        self._proc, self._started = self._spawn(command, run_dir / "train.log")
+
+    # ------------------------------------------------------------------ RoundHandle
+    def progress(self) -> list[dict]:
+        path = self.run_dir / "progress.jsonl"
+        try:
+            with path.open("rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next call
+        self._offset += len(complete)
+        lines = []
+        for raw in complete.splitlines():
+            try:
+                line = json.loads(raw)
+            except json.JSONDecodeError:
+                continue  # a torn write cannot be repaired; the next line carries the same fields
+            if isinstance(line, dict):
+                lines.append(line)
+        return lines
+
+    def phase(self) -> str:
+        return self._phase
+
+    def done(self) -> bool:
+        if self._phase == DONE:
+            return True
+        if self._proc.poll() is None:
+            return False
+        seconds = time.monotonic() - self._started
+        _kill_group(self._proc.pid, signal.SIGKILL)  # stragglers the leader left behind would hold GPU memory
+        if self._phase == TRAINING:
+            self._train_seconds = seconds
+            self._after_training(self._proc.returncode)
+        else:
+            self._eval_so_far += seconds
+            self._after_evaluation(self._proc.returncode)
+        return self._phase == DONE
+
+    def request_stop(self, *, evaluate: bool = True) -> None:
+        self._evaluate = self._evaluate and evaluate
+        if self._phase == TRAINING:
+            (self.run_dir / "STOP").touch()
+
+    def kill(self) -> None:
+        if self._phase == DONE:
+            return
+        if self._proc.poll() is None:
+            _kill_group(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(self._backend.kill_grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_group(self._proc.pid, signal.SIGKILL)
+        self._proc.wait()
+        if self._phase == EVALUATING:  # what it took so far still tells the DurationModel it is at least that slow
+            self._eval_cut = self._eval_so_far + time.monotonic() - self._started
+        self._finish("failed", f"killed while {self._phase}")
+
+    def outcome(self) -> RoundOutcome:
+        if self._phase != DONE:
+            raise RuntimeError(f"{self.run_dir}: outcome() before done()")
+        ood, val = self._reports.get("ood", {}), self._reports.get("val", {})
+        return RoundOutcome(
+            state=self._state,
+            reason=self._reason,
+            ood_accuracy=ood.get("accuracy_pct"),
+            val_accuracy=val.get("accuracy_pct"),
+            format_rate=ood.get("format_rate"),
+            mean_completion_tokens=ood.get("mean_completion_tokens"),
+            steps_done=int(self._status.get("steps_done") or 0),
+            timings=self._timings(),
+            merged_dir=str(self._merged) if self._state in ("completed", "stopped") else None,
+        )
+
+    # ------------------------------------------------------------------ the round's course
+    @property
+    def _merged(self) -> Path:
+        return self.run_dir / "merged"
+
+    def _spawn(self, command: list[str], log: Path) -> tuple[subprocess.Popen, float]:
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self._env, start_new_session=True,
+            )  # fmt: skip
+        return proc, time.monotonic()
+
+    def _after_training(self, returncode: int) -> None:
+        self._status = _read_json(self.run_dir / "status.json") or {}
+        state = self._status.get("state")
+        if returncode != 0 or state not in ("completed", "stopped"):
+            reason = self._status.get("reason") if state == "failed" else None
+            log = _last_line(self.run_dir / "train.log")
+            self._finish("failed", reason or f"the trainer exited with code {returncode}: {log}")
+        elif not (self._merged / "config.json").is_file():
+            self._finish("failed", f"the trainer reported {state} but wrote no model to {self._merged}")
+        elif not self._evaluate:
+            self._finish(state, self._status.get("reason"))
+        else:
+            self._state, self._reason = state, self._status.get("reason")
+            self._pending_evals = self._backend.eval_commands(self._merged, self.run_dir)
+            self._phase = EVALUATING
+            self._next_evaluation()
+
+    def _after_evaluation(self, returncode: int) -> None:
+        name = self._current_eval
+        report = _read_json(self.run_dir / f"{name}_eval.json")
+        if returncode != 0 or report is None:
+            log = _last_line(self.run_dir / "eval.log")
+            self._finish("failed", f"the {name} evaluation failed with exit code {returncode} ({log})")
+            return
+        self._reports[name] = report
+        self._next_evaluation()
+
+    def _next_evaluation(self) -> None:
+        if not self._pending_evals:
+            self._eval_seconds = self._eval_so_far
+            self._finish(self._state, self._reason)
+            return
+        self._current_eval, command = self._pending_evals.pop(0)
+        try:
+            self._proc, self._started = self._spawn(command, self.run_dir / "eval.log")
+        except OSError as error:  # e.g. the evaluator's interpreter is missing: this round fails, the search goes on
+            self._finish("failed", f"could not start the {self._current_eval} evaluation: {error}")
+
+    def _finish(self, state: str, reason: str | None) -> None:
+        self._state, self._reason, self._phase = state, reason, DONE
+
+    def _timings(self) -> dict[str, float]:
+        trainer = self._status.get("timings") or {}
+        timings = {key: float(trainer[key]) for key in ("train", "save") if trainer.get(key) is not None}
+        if self._train_seconds is not None and "train" in timings and "save" in timings:
+            # The trainer's own "setup" starts after its imports; the process wall-clock covers all of it.
+            timings["setup"] = max(0.0, self._train_seconds - timings["train"] - timings["save"])
+        if self._eval_seconds is not None:
+            timings["eval"] = self._eval_seconds
+        if self._eval_cut is not None:
+            timings["eval_at_least"] = self._eval_cut
+        return timings
+
+
+def _kill_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the whole group is gone already
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _last_line(path: Path) -> str:
+    """The log's last non-empty line: usually the exception that ended the process."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return f"no {path.name}"
+    return lines[-1] if lines else f"{path.name} is empty"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,95 @@
+"""Per-round plots from the round's progress.jsonl, attached to its trial as an Optuna artifact.
+
+`optuna-dashboard study.db --artifact-dir artifacts` then shows each round's plot on its trial's page.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import optuna
+from optuna.trial import FrozenTrial
+
+ARTIFACT_DIR = "artifacts"
+
+
+def artifact_dir(storage: str) -> Path:
+    """Where a study's artifacts go: next to a journal file, else in the current folder."""
+    return Path(storage).parent / ARTIFACT_DIR if "://" not in storage else Path(ARTIFACT_DIR)
+
+
+def read_progress(path: str | Path) -> list[dict]:
+    """The lines of a progress.jsonl; a line cut short by a crash (the last one) is skipped."""
+    records = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
+def plot_round(progress_path: str | Path, png_path: str | Path, *, title: str = "") -> Path | None:
+    """Rewards, completion length and intermediate ood accuracy against the step, in one PNG; None without data."""
+    records = read_progress(progress_path)
+    if not records:
+        return None
+    import matplotlib  # late: only rounds with progress need it
+
+    matplotlib.use("Agg")  # no display on the box
+    import matplotlib.pyplot as plt
+
+    fig, (rewards, length, accuracy) = plt.subplots(1, 3, figsize=(15, 4))
+    names = sorted({name for record in records for name in record.get("rewards", {})})
+    for name in names:
+        _line(rewards, records, lambda r, n=name: r.get("rewards", {}).get(n), name)
+    _line(rewards, records, lambda r: r.get("reward"), "total", color="black", linewidth=2)
+    rewards.set_title("rewards (mean per step)")
+    rewards.legend(fontsize="small")
+    _line(length, records, lambda r: r.get("completion_length"), "completion length")
+    length.set_title("completion length (tokens)")
+    _line(accuracy, records, lambda r: r.get("ood_accuracy"), "ood subset", marker="o")
+    accuracy.set_title("ood subset accuracy (%)")
+    for axes in (rewards, length, accuracy):
+        axes.set_xlabel("step")
+        axes.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    png_path = Path(png_path)
+    fig.savefig(png_path, dpi=90)
+    plt.close(fig)
+    return png_path
+
+
+def upload_plot(study: optuna.Study, trial: optuna.Trial | FrozenTrial, png_path: str | Path, folder: str | Path) -> str:
+    """Attach `png_path` to `trial` in the artifact store at `folder`; returns the artifact id.
+
+    A finished trial cannot take new attributes, so its plot goes to the study instead (named after the trial).
+    """
+    store = optuna.artifacts.FileSystemArtifactStore(_made(Path(folder)))
+    if isinstance(trial, FrozenTrial) and trial.state.is_finished():
+        return optuna.artifacts.upload_artifact(artifact_store=store, file_path=str(png_path), study_or_trial=study)
+    return optuna.artifacts.upload_artifact(
+        artifact_store=store, file_path=str(png_path), study_or_trial=trial, storage=study._storage
+    )
+
+
+def _line(axes, records: list[dict], value, label: str, **style) -> None:
+    points = [(r["step"], value(r)) for r in records]
+    points = [(step, y) for step, y in points if isinstance(y, (int, float)) and math.isfinite(y)]
+    if points:
+        axes.plot(*zip(*points), label=label, **style)
+
+
+def _made(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder

@@ -1,0 +1,458 @@
+"""The search loop: ask Optuna for a round, fit it into the time left, run it on free GPUs, tell the result.
+
+The deadline is a promise, so time decides first: a round starts only if a useful version of it fits before
+`deadline - reserve` (its steps are cut to fit, by the DurationModel, which refits on every finished round); a
+round that runs late is stopped early enough to be saved and scored within its allotment, and killed if it still
+runs past it; no round runs into the reserve. Rounds run side by side on disjoint GPU slots; Optuna's TPE treats
+the RUNNING ones as bad points (constant liar), so parallel rounds do not sample the same configuration.
+
+Several schedulers may share one study (each on its own GPUs): each stamps its trials with a worker id and a
+heartbeat, and a RUNNING trial is declared orphaned only when its worker is provably dead (same host, no such
+process) or its heartbeat is stale. Optuna's own heartbeat runs only inside `optimize()`, not with ask/tell.
+
+Everything time-related goes through `clock`, so `--simulate` runs a 7.5-hour search in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from search import space
+from search.backend import TRAINING, Backend, RoundHandle, RoundOutcome
+from search.clock import Clock
+from search.duration import DurationModel
+from trainer.config import ConfigError, TrialConfig
+
+POLL_S = 5.0  # between two polls of the running rounds
+HEARTBEAT_S = 60.0  # between two heartbeats of our running trials (and orphan sweeps)
+# A RUNNING trial whose heartbeat is this old belongs to a dead worker. Generous: a live worker skips heartbeats
+# while it promotes (copying and loading 4.4 GB) or waits for a kill; a dead worker on this host is known at once.
+ORPHAN_AFTER_S = 15 * HEARTBEAT_S
+STATUS_EVERY_S = 60.0  # a status line at least this often while nothing changes
+SAFETY_SHARE = 0.05  # of an allotment, left free when fitting the steps: the prediction's error margin
+GRACE_SHARE = 0.1  # a round may overrun its allotment by this share of it (never into the reserve) before a kill
+MAX_CONSECUTIVE_FAILURES = 5  # then something systematic is broken: stop launching rather than burn the budget
+MAX_CONSECUTIVE_MISFITS = 10  # sampled configurations in a row too slow for round_max: the space does not fit it
+OOD_ROWS_GUESS = 1000  # the brief's ood_val size, for the duration prior when ood_rows is null (all rows)
+# Failures the configuration itself causes (the trainer's reasons start so): told PRUNED, a bad point TPE learns to
+# avoid, instead of FAIL, which TPE ignores (it models COMPLETE, PRUNED and RUNNING trials only) and so would keep
+# sampling there. The trial's `state` attribute still says "failed".
+CONFIG_FAILURES = ("NaN", "out of memory")
+
+PromoteHook = Callable[[RoundOutcome, optuna.Trial], bool]
+RoundEndHook = Callable[[FrozenTrial, RoundOutcome], None]
+
+
+@dataclass
+class _Round:
+    trial: optuna.Trial
+    config: TrialConfig
+    gpus: list[int]
+    handle: RoundHandle
+    started: float
+    end_by: float  # the allotment's end: saved and scored by then
+    stop_at: float  # request a stop here if training still runs
+    kill_at: float
+    last_line_at: float  # for the hang check
+    latest: dict = field(default_factory=dict)  # last progress line
+    latest_ood: float | None = None
+    pruned: str | None = None  # the reason, once the pruner said so
+    stopped: str | None = None  # the reason, once over the allotment
+    killed: str | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        settings,
+        study: optuna.Study,
+        deadline: float,
+        backend: Backend,
+        clock: Clock,
+        on_round_end: RoundEndHook | None = None,
+        promote: PromoteHook | None = None,
+    ):
+        """`promote(outcome, trial) -> bool` is called with a round that beats the best promoted score (None: the
+        real promotion into `settings.submission_path`; a simulated search passes a recorder). `on_round_end(trial,
+        outcome)` runs after each round is told (run_search writes the leaderboard and plots there)."""
+        self.settings = settings
+        self.study = study
+        self.deadline = deadline
+        self.backend = backend
+        self.clock = clock
+        self.on_round_end = on_round_end
+        self.promote = promote or self._promote_to_submission
+        self.worker = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        eval_rows = (settings.ood_rows or OOD_ROWS_GUESS) + settings.val_rows
+        self.duration = DurationModel(eval_rows=eval_rows, eval_processes=1 + (settings.val_rows > 0))
+        if settings.gpus == 0:
+            self._slots: list[list[int]] = [[]]
+        else:
+            per = settings.gpus_per_trial
+            self._slots = [list(range(i * per, (i + 1) * per)) for i in range(settings.gpus // per)]
+        self._running: dict[int, _Round] = {}  # slot index -> round
+        self._closed: str | None = None  # why no more rounds start
+        self._failures = 0  # consecutive failed rounds
+        self._misfits = 0  # consecutive configurations too slow for any round
+        self._best: tuple[float, int] | None = None  # (promoted ood accuracy, trial number)
+        self._first_seen: dict[int, float] = {}  # RUNNING trials without a heartbeat yet
+        self._sweep_at = -math.inf
+        self._status_at = -math.inf
+        self._status_key: tuple = ()
+
+    @property
+    def end_of_rounds(self) -> float:
+        """No round runs past this: the deadline minus the reserve."""
+        return self.deadline - 60.0 * self.settings.reserve_minutes
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        self._learn_from_history()
+        try:
+            while True:
+                now = self.clock.now()
+                if now >= self._sweep_at:
+                    self._heartbeat_and_sweep(now)
+                    self._sweep_at = now + HEARTBEAT_S
+                for slot in list(self._running):
+                    self._poll(slot, now)
+                for slot in range(len(self._slots)):
+                    if self._closed is None and slot not in self._running:
+                        self._launch(slot, now)
+                if self._closed is not None and not self._running:
+                    break
+                self._status(now)
+                self.clock.sleep(POLL_S)
+        finally:
+            self._abandon_running()
+        self._say(self.clock.now(), f"search over: {self._closed}; {self._best_text()}")
+
+    def _launch(self, slot: int, now: float) -> None:
+        allotted = min(self.end_of_rounds - now, 60.0 * self.settings.round_max_minutes)
+        if allotted < 60.0 * self.settings.round_min_minutes:
+            left = _minutes(self.end_of_rounds - now)
+            self._close(now, f"no time left for a useful round ({left} before the reserve)")
+            return
+        trial = self.study.ask()
+        trial.set_user_attr("worker", self.worker)
+        trial.set_user_attr("heartbeat", now)
+        run_dir = Path(self.settings.runs_dir) / f"round-{trial.number:04d}"
+        try:
+            config = space.sample_config(trial, self.settings, str(run_dir))
+        except ConfigError as error:  # a sampled combination the trainer would refuse
+            self._tell_failed(trial, f"invalid configuration: {error}", now)
+            return
+        # A late round is stopped early enough to finish its longest step and its predicted save and evaluation
+        # within the allotment, so the steps are fitted with that step and a safety share to spare: a round
+        # predicted right never meets its stop. It is killed if even that overruns.
+        sampled_steps = config.steps
+        step_s = self.duration.longest_step(config)
+        steps = self.duration.fit_steps(config, allotted - step_s - SAFETY_SHARE * allotted)
+        if steps is None:
+            self._misfit(trial, config, allotted, now)
+            return
+        self._misfits = 0
+        if steps < sampled_steps:
+            config = space.with_steps(config, steps)
+        estimate = self.duration.estimate(config)
+        gpus = self._slots[slot]
+        for key, value in {
+            "config": config.to_dict(),
+            "steps": config.steps,
+            "predicted_s": round(estimate.total, 1),
+            "allotted_s": round(allotted, 1),
+            "run_dir": str(run_dir),
+            "gpus": gpus,
+            "started_at": now,
+        }.items():
+            trial.set_user_attr(key, value)
+        try:
+            handle = self.backend.start(config, gpus)
+        except OSError as error:  # e.g. the run folder cannot be written, the launcher is missing
+            self._tell_failed(trial, f"could not start the round: {error}", now)
+            return
+        end_by = now + allotted
+        self._running[slot] = _Round(
+            trial=trial,
+            config=config,
+            gpus=gpus,
+            handle=handle,
+            started=now,
+            end_by=end_by,
+            stop_at=end_by - estimate.tail - step_s,
+            kill_at=min(end_by + GRACE_SHARE * allotted, self.end_of_rounds),
+            last_line_at=now,
+        )
+        cut = f" (cut from {sampled_steps})" if steps < sampled_steps else ""
+        self._say(
+            now,
+            f"round {trial.number} starts on {_gpus(gpus)}: {_describe(config)}, {config.steps} steps{cut}, "
+            f"predicted {_minutes(estimate.total)} of {_minutes(allotted)}",
+        )
+
+    def _misfit(self, trial: optuna.Trial, config: TrialConfig, allotted: float, now: float) -> None:
+        """Not even the shortest useful version of the sampled round fits in its allotment. Near the end (the time
+        left is the limit) the search is over; otherwise (round_max is) this configuration is too slow: told PRUNED
+        without a value, which TPE ranks below every scored trial, so it samples elsewhere."""
+        shortest = self.duration.min_useful_steps(config)
+        needed = _minutes(self.duration.estimate(config, steps=shortest).total)
+        trial.set_user_attr("steps", shortest)
+        if allotted < 60.0 * self.settings.round_max_minutes:
+            reason = f"no time left for a useful round: {shortest} steps need {needed}"
+            self._tell_failed(trial, reason, now, count=False)
+            self._close(now, f"no time left for a useful round ({_minutes(allotted)} before the reserve)")
+            return
+        reason = f"too slow: its shortest useful round ({shortest} steps) needs {needed}, more than round_max_minutes"
+        trial.set_user_attr("state", "pruned")
+        trial.set_user_attr("reason", reason)
+        self.study.tell(trial, state=TrialState.PRUNED)
+        self._say(now, f"round {trial.number} not run: {reason}")
+        self._misfits += 1
+        if self._misfits >= MAX_CONSECUTIVE_MISFITS:
+            self._close(now, f"{self._misfits} sampled configurations in a row are too slow for round_max_minutes")
+
+    def _poll(self, slot: int, now: float) -> None:
+        r = self._running[slot]
+        for line in r.handle.progress():
+            r.last_line_at, r.latest = now, line
+            if line.get("ood_accuracy") is not None:
+                r.latest_ood = float(line["ood_accuracy"])
+                self._report(r, int(line["step"]), r.latest_ood)
+        if r.handle.done():
+            self._finish(slot, now)
+            return
+        hang_s = 60.0 * self.settings.hang_minutes
+        if now >= r.kill_at:
+            allotted = _minutes(r.end_by - r.started)
+            r.killed = f"killed: still {r.handle.phase()} {_minutes(now - r.end_by)} past its allotment of {allotted}"
+        elif r.handle.phase() == TRAINING and now - r.last_line_at >= hang_s:
+            r.killed = f"hung: no progress for {self.settings.hang_minutes:g} min"
+        if r.killed:
+            r.handle.kill()
+            self._finish(slot, self.clock.now())
+        elif now >= r.stop_at and r.stopped is None and r.pruned is None and self._still_stepping(r):
+            r.stopped = "stopped: over its allotment"
+            r.handle.request_stop()
+            self._say(now, f"round {r.trial.number} {r.stopped} (step {r.latest.get('step', 0)}/{r.config.steps})")
+
+    @staticmethod
+    def _still_stepping(r: _Round) -> bool:
+        """Training, and not yet at its last step (a STOP during the save changes nothing)."""
+        return r.handle.phase() == TRAINING and r.latest.get("step", 0) < r.config.steps
+
+    def _report(self, r: _Round, step: int, value: float) -> None:
+        if r.pruned:
+            return
+        r.trial.report(value, step)
+        if r.trial.should_prune():
+            r.pruned = f"pruned by {type(self.study.pruner).__name__} at step {step}: ood subset accuracy {value:.1f}"
+            # Its model is not worth scoring: free the GPUs after the save the trainer does anyway.
+            r.handle.request_stop(evaluate=False)
+            self._say(self.clock.now(), f"round {r.trial.number} {r.pruned}")
+
+    # ------------------------------------------------------------------ a round ends
+    def _finish(self, slot: int, now: float) -> None:
+        r = self._running.pop(slot)
+        outcome = r.handle.outcome()
+        state, reason = outcome.state, outcome.reason
+        if r.killed:
+            state, reason = "failed", r.killed
+        elif state != "failed" and r.pruned:
+            state, reason = "pruned", r.pruned
+        elif state == "stopped" and r.stopped:
+            reason = r.stopped
+        if state in ("completed", "stopped") and outcome.ood_accuracy is None:
+            state, reason = "failed", "the evaluation gave no OOD accuracy"
+        outcome.state, outcome.reason = state, reason
+
+        self.duration.observe(r.config, outcome.steps_done, outcome.timings)  # the backend reports what was measured
+        attrs = {
+            "state": state,
+            "reason": reason,
+            "val_accuracy": outcome.val_accuracy,
+            "format_rate": outcome.format_rate,
+            "mean_completion_tokens": outcome.mean_completion_tokens,
+            "steps_done": outcome.steps_done,
+            "duration_s": round(now - r.started, 1),
+            "ended_at": now,
+            "timings": {key: round(float(value), 1) for key, value in outcome.timings.items()},
+        }
+        for key, value in attrs.items():
+            r.trial.set_user_attr(key, value)
+        if state in ("completed", "stopped") and (self._best is None or outcome.ood_accuracy > self._best[0]):
+            self._promote(r.trial, outcome)
+
+        if state in ("completed", "stopped"):
+            self.study.tell(r.trial, outcome.ood_accuracy)
+        elif state == "pruned" or (state == "failed" and not r.killed and (reason or "").startswith(CONFIG_FAILURES)):
+            self.study.tell(r.trial, state=TrialState.PRUNED)  # Optuna keeps the last reported value
+        else:
+            self.study.tell(r.trial, state=TrialState.FAIL)
+        self._count(state, now)
+        score = f"ood {outcome.ood_accuracy:.1f}%, " if outcome.ood_accuracy is not None else ""
+        self._say(now, f"round {r.trial.number} {state}: {score}{reason or 'ok'} after {_minutes(now - r.started)}")
+        if self.on_round_end is not None:
+            self.on_round_end(self.study.get_trials(deepcopy=False)[r.trial.number], outcome)
+
+    def _promote(self, trial: optuna.Trial, outcome: RoundOutcome) -> None:
+        try:
+            promoted = self.promote(outcome, trial)
+        except Exception as error:  # a failed promotion keeps the previous submission; the search goes on
+            trial.set_user_attr("promotion_error", f"{type(error).__name__}: {error}")
+            self._say(self.clock.now(), f"round {trial.number} not promoted: {error}")
+            return
+        trial.set_user_attr("promoted", bool(promoted))
+        if promoted:
+            self._best = (outcome.ood_accuracy, trial.number)
+            self._say(self.clock.now(), f"round {trial.number} promoted: ood {outcome.ood_accuracy:.1f}%")
+
+    def _promote_to_submission(self, outcome: RoundOutcome, trial: optuna.Trial) -> bool:
+        from search.promotion import promote  # late: it loads transformers to check a submission
+
+        return promote(
+            outcome.merged_dir,
+            self.settings.submission_path,
+            min_format_rate=self.settings.min_format_rate,
+            format_rate=outcome.format_rate,
+            accuracy=outcome.ood_accuracy,
+            trial=trial.number,
+        )
+
+    def _tell_failed(self, trial: optuna.Trial, reason: str, now: float, *, count: bool = True) -> None:
+        trial.set_user_attr("state", "failed")
+        trial.set_user_attr("reason", reason)
+        self.study.tell(trial, state=TrialState.FAIL)
+        self._say(now, f"round {trial.number} failed: {reason}")
+        if count:
+            self._count("failed", now)
+
+    def _count(self, state: str, now: float) -> None:
+        self._failures = self._failures + 1 if state == "failed" else 0
+        if self._failures >= MAX_CONSECUTIVE_FAILURES:
+            self._close(now, f"{self._failures} rounds in a row failed: see their reasons and train.log")
+
+    def _close(self, now: float, why: str) -> None:
+        if self._closed is None:
+            self._closed = why
+            waiting = f"; waiting for {len(self._running)} running round(s)" if self._running else ""
+            self._say(now, f"no more rounds: {why}{waiting}")
+
+    # ------------------------------------------------------------------ sharing the study, resuming
+    def _learn_from_history(self) -> None:
+        """A resumed search keeps what earlier runs learnt: their timings and their promoted best."""
+        finished = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+        for t in self.study.get_trials(deepcopy=False, states=finished):
+            attrs = t.user_attrs
+            if "config" in attrs and "timings" in attrs:
+                config = TrialConfig.from_dict(attrs["config"])
+                self.duration.observe(config, attrs.get("steps_done", 0), attrs["timings"])
+            if attrs.get("promoted") and t.value is not None and (self._best is None or t.value > self._best[0]):
+                self._best = (t.value, t.number)
+
+    def _heartbeat_and_sweep(self, now: float) -> None:
+        ours = {r.trial.number for r in self._running.values()}
+        for r in self._running.values():
+            r.trial.set_user_attr("heartbeat", now)
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if t.number in ours:
+                continue
+            beat = t.user_attrs.get("heartbeat")
+            if beat is None:  # asked a moment ago by a live worker, or left by one that died at once
+                beat = self._first_seen.setdefault(t.number, now)
+            if _dead_worker(t.user_attrs.get("worker")) or now - beat >= ORPHAN_AFTER_S:
+                self._fail_orphan(t, now)
+
+    def _fail_orphan(self, t: FrozenTrial, now: float) -> None:
+        reason = "orphaned: the scheduler stopped during this round"
+        trial = optuna.trial.Trial(self.study, t._trial_id)  # the live handle of a stored trial
+        try:
+            trial.set_user_attr("state", "failed")
+            trial.set_user_attr("reason", reason)
+            self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return  # its worker was alive after all and told it meanwhile
+        self._say(now, f"round {t.number} {reason} (worker {t.user_attrs.get('worker', 'unknown')})")
+
+    def _abandon_running(self) -> None:
+        """The loop is leaving with rounds still running (an exception, Ctrl-C): kill them, since they run in their
+        own process groups and would hold the GPUs, and record why. Errors here must not hide the one that got us
+        here."""
+        for slot in list(self._running):
+            r = self._running.pop(slot)
+            with contextlib.suppress(Exception):
+                r.handle.kill()
+            with contextlib.suppress(Exception):
+                r.trial.set_user_attr("state", "failed")
+                r.trial.set_user_attr("reason", "interrupted: the scheduler stopped during this round")
+                self.study.tell(r.trial, state=TrialState.FAIL)
+
+    # ------------------------------------------------------------------ the display
+    def _status(self, now: float) -> None:
+        rounds = sorted(self._running.values(), key=lambda r: r.trial.number)
+        key = tuple((r.trial.number, r.handle.phase(), r.pruned, r.stopped) for r in rounds)
+        if key == self._status_key and now - self._status_at < STATUS_EVERY_S:
+            return
+        self._status_key, self._status_at = key, now
+        parts = []
+        for r in rounds:
+            if r.handle.phase() == TRAINING:
+                line = r.latest
+                text = f"step {line.get('step', 0)}/{r.config.steps}"
+                if isinstance(line.get("reward"), (int, float)):
+                    text += f" reward {line['reward']:.2f}"
+                if r.latest_ood is not None:
+                    text += f" ood {r.latest_ood:.1f}"
+            else:
+                text = "evaluating"
+            parts.append(f"#{r.trial.number} {_gpus(r.gpus)} {text}")
+        self._say(now, " | ".join(parts + [self._best_text()]))
+
+    def _best_text(self) -> str:
+        return f"best ood {self._best[0]:.1f}% (round {self._best[1]})" if self._best else "nothing promoted yet"
+
+    def _say(self, now: float, message: str) -> None:
+        print(f"[search {_minutes(self.deadline - now)} left] {message}", flush=True)
+
+
+def _dead_worker(worker: str | None) -> bool:
+    """True when `worker` ran on this host in a process that no longer exists (a restarted search on one box
+    need not wait for the heartbeat to go stale)."""
+    if not worker:
+        return False
+    host, _, rest = worker.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, someone else's
+    return False
+
+
+def _describe(config: TrialConfig) -> str:
+    kind = f"LoRA r{config.lora_rank}" if config.lora_rank else "full"
+    rewards = "+".join(name for name, w in config.reward_weights.items() if w > 0)
+    return f"{kind} lr {config.learning_rate:.2g} beta {config.beta:.2g} G{config.num_generations} [{rewards}]"
+
+
+def _gpus(gpus: list[int]) -> str:
+    return f"gpu {','.join(map(str, gpus))}" if gpus else "cpu"
+
+
+def _minutes(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    hours, minutes = divmod(int(round(seconds / 60)), 60)
+    return f"{hours}h{minutes:02d}" if hours else f"{minutes} min"

@@ -1,0 +1,132 @@
+"""run_search.py: bad input is one line on stderr, exit code 2, and leaves nothing behind; --simulate runs end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "run_search.py"
+
+
+def run(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def budget(folder: Path, **changes) -> Path:
+    data = yaml.safe_load((ROOT / "budget.yaml").read_text())
+    data.update(changes)
+    path = folder / "my-budget.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture()
+def box(tmp_path, tiny_split_dir) -> dict:
+    """budget.yaml values for a box in tmp_path: a Qwen2-VL config (nothing is loaded before the checks pass)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    (tmp_path / "app").mkdir()
+    return {
+        "model_path": str(model), "train_path": str(tiny_split_dir), "val_path": str(tiny_split_dir),
+        "ood_val_path": str(tiny_split_dir), "submission_path": str(tmp_path / "app" / "submission"),
+    }  # fmt: skip
+
+
+def assert_refused(result: subprocess.CompletedProcess, cwd: Path, expected: str, *, before: set[str]) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("run_search.py: error: ") and expected in lines[0], lines[0]
+    assert result.stdout == ""
+    # No study, no round folder, no submission.
+    assert {p.name for p in cwd.rglob("*")} == before
+
+
+def _entries(folder: Path) -> set[str]:
+    return {p.name for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--hours", "0"], "hours: must be > 0"),
+        (["--hours", "-3"], "hours: must be > 0"),
+        (["--hours", "nan"], "hours: must be a finite number"),
+        (["--hours", "soon"], "hours: must be a positive number of hours, got 'soon'"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["--simulate", "--demo"], "not allowed with argument"),
+        (["--budget", "absent.yaml"], "budget: cannot read absent.yaml"),
+        ([], "model_path: /app/models/Qwen2-VL-2B-Instruct does not exist"),  # not on the box
+        (["leaderboard"], "storage: study.db does not exist"),
+    ],
+)
+def test_bad_arguments(tmp_path, args, expected):
+    before = _entries(tmp_path)
+    assert_refused(run(tmp_path, *args), tmp_path, expected, before=before)
+
+
+def test_bad_budget_files(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("hours: 7.5\nspace: [unclosed\n")
+    before = _entries(tmp_path)
+    assert_refused(run(tmp_path, "--budget", str(path)), tmp_path, "malformed YAML at", before=before)
+    unknown = budget(tmp_path, hourz=3)
+    before = _entries(tmp_path)
+    assert_refused(run(tmp_path, "--budget", str(unknown)), tmp_path, "hourz: unknown key", before=before)
+
+
+def test_bad_boxes(tmp_path, box):
+    Path(box["model_path"], "config.json").write_text(json.dumps({"model_type": "llava"}))
+    path = budget(tmp_path, **box)
+    before = _entries(tmp_path)
+    assert_refused(run(tmp_path, "--budget", str(path)), tmp_path, "is not a Qwen2-VL folder", before=before)
+
+    Path(box["model_path"], "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    path = budget(tmp_path, **{**box, "submission_path": str(blocker / "submission")})
+    before = _entries(tmp_path)
+    assert_refused(run(tmp_path, "--budget", str(path)), tmp_path, "submission_path: ", before=before)
+
+
+def test_unreachable_storage_url(tmp_path, box):
+    path = budget(tmp_path, **box)
+    before = _entries(tmp_path)
+    result = run(tmp_path, "--budget", str(path), "--storage", "postgresql://search:secret@127.0.0.1:1/optuna")
+    assert_refused(result, tmp_path, "storage: cannot open postgresql://search:***@127.0.0.1:1/optuna", before=before)
+    assert "secret" not in result.stderr
+
+
+def test_an_existing_study_of_another_direction(tmp_path, box):
+    path = budget(tmp_path, **box)
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp_path / "study.db")))
+    optuna.create_study(storage=storage, study_name="count-grpo", direction="minimize")
+    before = _entries(tmp_path)
+    result = run(tmp_path, "--budget", str(path))
+    assert_refused(result, tmp_path, "optimizes ['minimize'], not maximize", before=before)
+
+
+def test_simulate_runs_a_whole_search_without_a_box(tmp_path):
+    result = run(tmp_path, "--simulate", "--hours", "3", "--study-name", "rehearsal")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "study rehearsal: Best: trial" in result.stdout
+    assert {p.name for p in tmp_path.iterdir()} == {"simulated"}  # no runs/, no submission, no study.db here
+    assert {p.name for p in (tmp_path / "simulated").iterdir()} >= {"study.db", "leaderboard.md", "leaderboard.csv"}
+    journal = optuna.storages.journal.JournalFileBackend(str(tmp_path / "simulated" / "study.db"))
+    study = optuna.load_study(study_name="rehearsal", storage=optuna.storages.JournalStorage(journal))
+    recipes = [t.user_attrs.get("recipe") for t in study.trials]
+    assert recipes[:2] == ["strong", "baseline"] and "sampled" in recipes
+
+    board = run(tmp_path, "leaderboard", "--storage", "simulated/study.db", "--study-name", "rehearsal")
+    assert board.returncode == 0, board.stderr
+    assert board.stdout.splitlines()[0].startswith("study rehearsal: Best: trial")
+    assert "baseline*" in board.stdout

@@ -1,0 +1,288 @@
+"""LocalBackend against stub programs standing in for the trainer and the evaluator (same command-line contract, same
+files): tailing, the evaluation chain, STOP, killing the whole process group, hang detection through the
+Scheduler, and the failure paths. The real trainer gets its own end-to-end test."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+
+from search import scheduler as scheduler_module
+from search.clock import WallClock
+from search.local_backend import LocalBackend
+from search.scheduler import Scheduler
+from search.settings import load_settings
+from search.study import open_study
+from trainer.config import TrialConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# `python stub.py trainer --config RUN_DIR/trial.json` / `python stub.py evaluator MODEL DATA [...] --out REPORT`;
+# STUB_MODE (inherited through the environment) picks the behaviour.
+STUB = r'''
+import json, os, signal, subprocess, sys, time
+from pathlib import Path
+
+role, mode = sys.argv[1], os.environ.get("STUB_MODE", "ok")
+if role == "evaluator":
+    data, out = sys.argv[3], Path(sys.argv[sys.argv.index("--out") + 1])
+    if mode == "eval_fails":
+        sys.exit("evaluator: the model folder does not load")
+    accuracy = 61.5 if "ood" in Path(data).name else 80.0
+    report = {"accuracy_pct": accuracy, "n": 10, "format_rate": 95.0, "mean_completion_tokens": 12.0, "argv": sys.argv}
+    out.write_text(json.dumps(report))
+    sys.exit(0)
+
+config = json.loads(Path(sys.argv[sys.argv.index("--config") + 1]).read_text())
+out = Path(config["output_dir"])
+(out / "env.json").write_text(json.dumps({"cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "argv": sys.argv}))
+progress = (out / "progress.jsonl").open("a")
+
+def line(step, **extra):
+    progress.write(json.dumps({"step": step, "reward": 0.5, **extra}) + "\n")
+    progress.flush()
+
+def finish(state, steps, reason=None, model=True, code=0):
+    if model:
+        (out / "merged").mkdir(exist_ok=True)
+        (out / "merged" / "config.json").write_text("{}")
+    timings = {"setup": 0.01, "train": 0.05, "save": 0.01}
+    status = {"state": state, "reason": reason, "steps_done": steps, "timings": timings}
+    (out / "status.json").write_text(json.dumps(status))
+    sys.exit(code)
+
+if mode in ("ok", "eval_fails"):
+    for step in (1, 2, 3):
+        line(step, **({"ood_accuracy": 52.0} if step == 2 else {}))
+    finish("completed", 3)
+elif mode == "until_stop":
+    step = 0
+    while not (out / "STOP").exists():
+        step += 1
+        line(step)
+        time.sleep(0.02)
+    finish("stopped", step)
+elif mode == "failed":
+    finish("failed", 0, reason="CUDA out of memory while loading the model", model=False, code=1)
+elif mode == "crash":
+    print("Traceback (most recent call last):\nRuntimeError: boom", file=sys.stderr)
+    sys.exit(3)
+elif mode == "no_model":
+    line(1)
+    finish("completed", 1, model=False)
+elif mode == "hang":  # a child in the same group, and a leader deaf to SIGTERM
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    (out / "child.pid").write_text(str(child.pid))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    line(1)
+    time.sleep(600)
+'''
+
+
+def make_settings(tmp_path: Path, **overrides):
+    settings = load_settings(ROOT / "budget.yaml", storage=str(tmp_path / "study.db"))
+    values = dict(
+        runs_dir=str(tmp_path / "runs"), ood_val_path=str(tmp_path / "ood_val"), val_path=str(tmp_path / "val"),
+        ood_rows=None, val_rows=5, eval_batch_size=None, seed=7, gpus=1, gpus_per_trial=1,
+    )  # fmt: skip
+    return dataclasses.replace(settings, **{**values, **overrides})
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> LocalBackend:
+    stub = tmp_path / "stub.py"
+    stub.write_text(STUB)
+    backend = LocalBackend(make_settings(tmp_path))
+    backend.trainer_command = [sys.executable, str(stub), "trainer"]
+    backend.evaluator_command = [sys.executable, str(stub), "evaluator"]
+    backend.kill_grace_s = 0.5
+    return backend
+
+
+def start(backend: LocalBackend, tmp_path: Path, mode: str, monkeypatch, gpus=(0,)):
+    monkeypatch.setenv("STUB_MODE", mode)
+    config = TrialConfig(model_path="m", train_path="t", output_dir=str(tmp_path / "round"), steps=3)
+    return backend.start(config, list(gpus))
+
+
+def wait_done(handle, timeout: float = 30.0) -> None:
+    until = time.monotonic() + timeout
+    while not handle.done():
+        assert time.monotonic() < until, "the round did not finish"
+        time.sleep(0.02)
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_round_trains_then_is_scored_on_ood_and_val(backend, tmp_path, monkeypatch):
+    handle = start(backend, tmp_path, "ok", monkeypatch, gpus=(1,))
+    wait_done(handle)
+    run_dir = tmp_path / "round"
+    assert TrialConfig.from_json(run_dir / "trial.json").steps == 3
+    lines = handle.progress()
+    assert [line["step"] for line in lines] == [1, 2, 3] and lines[1]["ood_accuracy"] == 52.0
+    assert handle.progress() == []  # each line once
+    outcome = handle.outcome()
+    assert outcome.state == "completed" and outcome.reason is None
+    assert (outcome.ood_accuracy, outcome.val_accuracy) == (61.5, 80.0)
+    assert (outcome.format_rate, outcome.mean_completion_tokens, outcome.steps_done) == (95.0, 12.0, 3)
+    assert outcome.merged_dir == str(run_dir / "merged")
+    assert set(outcome.timings) == {"setup", "train", "save", "eval"} and outcome.timings["eval"] > 0
+    assert json.loads((run_dir / "env.json").read_text())["cuda"] == "1"
+    val_argv = json.loads((run_dir / "val_eval.json").read_text())["argv"]
+    assert val_argv[val_argv.index("--limit") + 1] == "5" and val_argv[val_argv.index("--seed") + 1] == "7"
+    ood_argv = json.loads((run_dir / "ood_eval.json").read_text())["argv"]
+    assert "--limit" not in ood_argv  # ood_rows null: all of ood_val
+    assert (run_dir / "train.log").exists() and (run_dir / "eval.log").exists()
+
+
+def test_a_cpu_round_sees_no_gpu(backend, tmp_path, monkeypatch):
+    handle = start(backend, tmp_path, "ok", monkeypatch, gpus=())
+    wait_done(handle)
+    assert json.loads((tmp_path / "round" / "env.json").read_text())["cuda"] == ""
+
+
+def test_progress_returns_only_complete_lines(backend, tmp_path, monkeypatch):
+    handle = start(backend, tmp_path, "until_stop", monkeypatch)
+    progress = tmp_path / "round" / "progress.jsonl"
+    seen: list[int] = []
+    until = time.monotonic() + 10
+    while len(seen) < 5:
+        assert time.monotonic() < until
+        seen += [line["step"] for line in handle.progress()]
+    handle.request_stop()
+    wait_done(handle)
+    seen += [line["step"] for line in handle.progress()]
+    assert seen == list(range(1, len(seen) + 1))  # in order, none twice, none lost
+    with progress.open("a") as f:  # a line still being written is held back until it is complete
+        f.write('{"step": 1000, "rew')
+    assert handle.progress() == []
+    with progress.open("a") as f:
+        f.write('ard": 1.0}\nnot json\n')
+    assert handle.progress() == [{"step": 1000, "reward": 1.0}]
+
+
+def test_stop_saves_and_scores_the_round(backend, tmp_path, monkeypatch):
+    handle = start(backend, tmp_path, "until_stop", monkeypatch)
+    until = time.monotonic() + 10
+    while not handle.progress():  # training has begun
+        assert time.monotonic() < until
+        time.sleep(0.02)
+    handle.request_stop()
+    wait_done(handle)
+    outcome = handle.outcome()
+    assert outcome.state == "stopped" and outcome.steps_done >= 1 and outcome.ood_accuracy == 61.5
+
+
+def test_stop_without_evaluation_frees_the_gpus_after_the_save(backend, tmp_path, monkeypatch):
+    handle = start(backend, tmp_path, "until_stop", monkeypatch)
+    handle.request_stop(evaluate=False)
+    wait_done(handle)
+    outcome = handle.outcome()
+    assert outcome.state == "stopped" and outcome.ood_accuracy is None and "eval" not in outcome.timings
+    assert not (tmp_path / "round" / "ood_eval.json").exists()
+
+
+def test_kill_ends_the_whole_process_group(backend, tmp_path, monkeypatch):
+    handle = start(backend, tmp_path, "hang", monkeypatch)
+    child_pid = tmp_path / "round" / "child.pid"
+    until = time.monotonic() + 10
+    while not (child_pid.exists() and child_pid.read_text()):
+        assert time.monotonic() < until
+        time.sleep(0.02)
+    child = int(child_pid.read_text())
+    assert alive(child) and not handle.done()
+    started = time.monotonic()
+    handle.kill()  # the leader ignores SIGTERM: SIGKILL after the grace
+    assert time.monotonic() - started < 5
+    assert handle.done() and handle.outcome().state == "failed"
+    assert "killed" in handle.outcome().reason
+    until = time.monotonic() + 5
+    while alive(child):
+        assert time.monotonic() < until, "a child of the round survived the kill"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize(
+    "mode, reason",
+    [
+        ("failed", "CUDA out of memory while loading the model"),
+        ("crash", "the trainer exited with code 3: RuntimeError: boom"),
+        ("no_model", "the trainer reported completed but wrote no model to"),
+        ("eval_fails", "the ood evaluation failed with exit code 1 (evaluator: the model folder does not load)"),
+    ],
+)
+def test_failures_carry_their_reason(backend, tmp_path, monkeypatch, mode, reason):
+    handle = start(backend, tmp_path, mode, monkeypatch)
+    wait_done(handle)
+    outcome = handle.outcome()
+    assert outcome.state == "failed" and outcome.reason.startswith(reason)
+    assert outcome.merged_dir is None and outcome.ood_accuracy is None
+
+
+def test_the_scheduler_kills_a_hung_round(backend, tmp_path, monkeypatch):
+    monkeypatch.setattr(scheduler_module, "POLL_S", 0.05)
+    monkeypatch.setattr(scheduler_module, "MAX_CONSECUTIVE_FAILURES", 1)  # end the search after that round
+    monkeypatch.setenv("STUB_MODE", "hang")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    settings = make_settings(tmp_path, gpus=0, hang_minutes=0.05, reserve_minutes=0, round_min_minutes=1)
+    backend.settings = settings
+    clock = WallClock()
+    study, deadline = open_study(settings, now=clock.now())
+    started = time.monotonic()
+    Scheduler(settings, study, deadline, backend, clock, promote=lambda outcome, trial: True).run()
+    assert time.monotonic() - started < 15
+    [trial] = [t for t in study.trials if t.state != optuna.trial.TrialState.WAITING]
+    assert trial.state == optuna.trial.TrialState.FAIL
+    assert trial.user_attrs["reason"] == "hung: no progress for 0.05 min"
+    child = int(Path(trial.user_attrs["run_dir"], "child.pid").read_text())
+    until = time.monotonic() + 5
+    while alive(child):
+        assert time.monotonic() < until, "the hung round's child survived"
+        time.sleep(0.02)
+
+
+def test_a_real_round_end_to_end_on_the_tiny_model(tmp_path, tiny_model_dir, monkeypatch):
+    """The real trainer and evaluator, as the search runs them: one CPU process, two steps, then both scores."""
+    from synthetic.splits import write_split
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two cores shared with other tests
+    splits = {
+        name: write_split(tmp_path / name, kind, rows, seed=seed, image_size=(56, 56), count_range=(1, 4))
+        for name, kind, rows, seed in (("train", "train", 8, 0), ("ood_val", "other", 3, 1), ("val", "train", 3, 2))
+    }
+    settings = make_settings(tmp_path, ood_val_path=str(splits["ood_val"]), val_path=str(splits["val"]), val_rows=2)
+    config = TrialConfig(
+        model_path=str(tiny_model_dir), train_path=str(splits["train"]), output_dir=str(tmp_path / "round"),
+        ood_path=str(splits["ood_val"]), eval_every=1, eval_rows=2, steps=2, num_generations=2, prompts_per_step=1,
+        generation_steps=1, max_completion_length=8, max_pixels=56 * 56, lora_rank=4, learning_rate=1e-3,
+    )  # fmt: skip
+    handle = LocalBackend(settings).start(config, [])
+    lines: list[dict] = []
+    until = time.monotonic() + 600
+    while not handle.done():
+        assert time.monotonic() < until, "the round did not finish"
+        lines += handle.progress()
+        time.sleep(0.2)
+    lines += handle.progress()
+    outcome = handle.outcome()
+    assert outcome.state == "completed", (outcome.reason, (tmp_path / "round" / "train.log").read_text()[-3000:])
+    assert [line["step"] for line in lines] == [1, 2] and all("ood_accuracy" in line for line in lines)
+    assert 0 <= outcome.ood_accuracy <= 100 and 0 <= outcome.val_accuracy <= 100 and outcome.steps_done == 2
+    assert set(outcome.timings) == {"setup", "train", "save", "eval"} and min(outcome.timings.values()) > 0
+    assert json.loads((tmp_path / "round" / "ood_eval.json").read_text())["n"] == 3
+    assert json.loads((tmp_path / "round" / "val_eval.json").read_text())["n"] == 2

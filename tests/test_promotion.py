@@ -1,0 +1,206 @@
+"""Promotion: the submission is always whole, only a strictly better model replaces it, workers serialize."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState, create_trial
+
+from search import promotion
+from search.promotion import (
+    MARKER,
+    PromotionError,
+    check_submission,
+    promote,
+    promoted,
+    prune_run_dirs,
+    recover_submission,
+)
+
+
+def _no_check(path: Path) -> None:
+    """Stands in for the real load check where the 'models' are a few text files."""
+
+
+def _model(folder: Path, tag: str) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "tag": tag}))
+    (folder / "model.safetensors").write_text(tag * 1000)
+    (folder / "tokenizer.json").write_text(tag)
+    return folder
+
+
+def _tag(submission: Path) -> str:
+    return json.loads((submission / "config.json").read_text())["tag"]
+
+
+def _promote(merged: Path, submission: Path, accuracy: float, **kwargs) -> bool:
+    kwargs.setdefault("check", _no_check)
+    kwargs.setdefault("format_rate", 98.0)
+    return promote(merged, submission, min_format_rate=90.0, accuracy=accuracy, trial=int(accuracy), **kwargs)
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name not in ("submission", ".submission.lock"))
+
+
+def test_first_promotion_writes_model_and_marker(tmp_path):
+    merged, submission = _model(tmp_path / "runs" / "a" / "merged", "a"), tmp_path / "app" / "submission"
+    submission.parent.mkdir()
+    assert _promote(merged, submission, 70.0)
+    assert _tag(submission) == "a" and (submission / "model.safetensors").read_text() == "a" * 1000
+    assert promoted(submission)["trial"] == 70 and promoted(submission)["accuracy"] == 70.0
+    assert _leftovers(submission.parent) == []
+    assert merged.is_dir()  # copied, not moved: the round folder stays whole
+
+
+def test_the_submission_is_readable_by_every_user(tmp_path):
+    merged = _model(tmp_path / "a", "a")
+    (merged / "model.safetensors").chmod(0o600)  # as safetensors writes it
+    submission = tmp_path / "submission"
+    assert _promote(merged, submission, 70.0)
+    assert all(p.stat().st_mode & 0o444 == 0o444 for p in submission.iterdir())
+    assert submission.stat().st_mode & 0o555 == 0o555
+
+
+def test_an_empty_existing_submission_folder_is_replaced(tmp_path):
+    submission = tmp_path / "submission"
+    submission.mkdir()
+    assert _promote(_model(tmp_path / "a", "a"), submission, 70.0)
+    assert _tag(submission) == "a" and _leftovers(tmp_path) == ["a"]
+
+
+def test_only_a_strictly_better_model_replaces_the_submission(tmp_path):
+    submission = tmp_path / "submission"
+    assert _promote(_model(tmp_path / "a", "a"), submission, 70.0)
+    assert not _promote(_model(tmp_path / "b", "b"), submission, 70.0)  # a tie is not better
+    assert not _promote(_model(tmp_path / "c", "c"), submission, 65.0)
+    assert _tag(submission) == "a"
+    assert _promote(_model(tmp_path / "d", "d"), submission, 70.5)
+    assert _tag(submission) == "d" and promoted(submission)["accuracy"] == 70.5
+    assert _leftovers(tmp_path) == ["a", "b", "c", "d"]  # no staging, no old copy left behind
+
+
+def test_below_the_format_floor_is_refused_without_touching_anything(tmp_path):
+    submission = tmp_path / "submission"
+    assert not _promote(_model(tmp_path / "a", "a"), submission, 99.0, format_rate=80.0)
+    assert not _promote(_model(tmp_path / "b", "b"), submission, 99.0, format_rate=None)
+    assert not submission.exists() and _leftovers(tmp_path) == ["a", "b"]
+
+
+def test_a_copy_failing_midway_leaves_the_old_submission_whole(tmp_path):
+    submission = tmp_path / "submission"
+    _promote(_model(tmp_path / "a", "a"), submission, 70.0)
+    before = {p.name: p.read_bytes() for p in submission.iterdir()}
+
+    def broken_copy(source: str, target: str) -> None:
+        Path(target).mkdir()
+        shutil.copy(Path(source) / "config.json", target)  # half the files, then the disk fills
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        _promote(_model(tmp_path / "b", "b"), submission, 90.0, copy_tree=broken_copy)
+    assert {p.name: p.read_bytes() for p in submission.iterdir()} == before
+    assert _leftovers(tmp_path) == ["a", "b"]
+
+
+def test_a_model_that_does_not_load_is_not_promoted(tmp_path):
+    submission = tmp_path / "submission"
+    _promote(_model(tmp_path / "a", "a"), submission, 70.0)
+
+    def failing_check(path: Path) -> None:
+        assert path.name == ".submission.incoming"  # the staged copy itself is what gets checked
+        raise PromotionError(f"{path} does not load: broken")
+
+    with pytest.raises(PromotionError, match="does not load"):
+        _promote(_model(tmp_path / "b", "b"), submission, 90.0, check=failing_check)
+    assert _tag(submission) == "a" and _leftovers(tmp_path) == ["a", "b"]
+
+
+def test_two_rename_fallback_and_recovery(tmp_path, monkeypatch):
+    monkeypatch.setattr(promotion, "_exchange", lambda a, b: False)  # a filesystem without RENAME_EXCHANGE
+    submission = tmp_path / "submission"
+    _promote(_model(tmp_path / "a", "a"), submission, 70.0)
+    assert _promote(_model(tmp_path / "b", "b"), submission, 80.0)
+    assert _tag(submission) == "b" and _leftovers(tmp_path) == ["a", "b"]
+
+    # A crash between the two renames: the old submission was moved aside, the new one not yet in place.
+    submission.rename(tmp_path / "submission.old")
+    _model(tmp_path / ".submission.incoming", "half")
+    recover_submission(submission)
+    assert _tag(submission) == "b" and _leftovers(tmp_path) == ["a", "b"]
+    # A crash after both renames: only the cleanup is left.
+    shutil.copytree(submission, tmp_path / "submission.old")
+    recover_submission(submission)
+    assert _tag(submission) == "b" and _leftovers(tmp_path) == ["a", "b"]
+
+
+def test_the_exchange_is_atomic_renameat2(tmp_path):
+    a, b = _model(tmp_path / "x", "x"), _model(tmp_path / "y", "y")
+    if not promotion._exchange(a, b):
+        pytest.skip("renameat2(RENAME_EXCHANGE) is not available on this kernel or filesystem")
+    assert _tag(a) == "y" and _tag(b) == "x"
+
+
+def test_a_submission_found_before_the_search_is_kept_aside(tmp_path):
+    submission = _model(tmp_path / "submission", "users")  # no PROMOTED.json: not ours
+    assert _promote(_model(tmp_path / "a", "a"), submission, 10.0)
+    assert _tag(submission) == "a" and _tag(tmp_path / "submission.before-search") == "users"
+
+
+def test_workers_serialize_on_the_lock(tmp_path):
+    submission = tmp_path / "submission"
+    submission.parent.mkdir(exist_ok=True)
+    merged = _model(tmp_path / "a", "a")
+    result = {}
+    with promotion._locked(tmp_path / ".submission.lock"):  # another worker is promoting
+        worker = threading.Thread(target=lambda: result.setdefault("ok", _promote(merged, submission, 70.0)))
+        worker.start()
+        time.sleep(0.5)
+        assert worker.is_alive() and not submission.exists()
+    worker.join(timeout=10)
+    assert result == {"ok": True} and _tag(submission) == "a"
+
+
+def test_prune_run_dirs_keeps_the_best_rounds_and_every_log(tmp_path):
+    study = optuna.create_study(direction="maximize")
+    runs = tmp_path / "runs"
+    for name in ("a", "b", "c", "d", "p", "running", "other-study"):
+        _model(runs / name / "merged", name)
+        (runs / name / "progress.jsonl").write_text("{}\n")
+        (runs / name / "adapter.safetensors").write_text("w")
+    for value, name in ((50.0, "a"), (70.0, "b"), (60.0, "c"), (40.0, "d")):
+        study.add_trial(create_trial(value=value, user_attrs={"run_dir": str(runs / name)}))
+    study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"run_dir": str(runs / "p")}))
+    study.ask().set_user_attr("run_dir", str(runs / "running"))
+
+    deleted = prune_run_dirs(study, keep_rounds=1)
+    assert sorted(p.relative_to(runs).as_posix() for p in deleted) == [
+        "a/adapter.safetensors", "a/merged", "d/adapter.safetensors", "d/merged", "p/adapter.safetensors", "p/merged"
+    ]  # fmt: skip
+    for kept in ("b", "c", "running", "other-study"):
+        assert (runs / kept / "merged").is_dir()
+    assert (runs / "a" / "progress.jsonl").is_file()
+    assert prune_run_dirs(study, keep_rounds=1) == []
+
+
+def test_check_submission_loads_a_real_model(tmp_path, tiny_model_dir):
+    check_submission(tiny_model_dir)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", broken)
+    with pytest.raises(PromotionError, match=r"broken does not load: "):
+        check_submission(broken)
+
+
+def test_promote_with_the_real_check(tmp_path, tiny_model_dir):
+    submission = tmp_path / "submission"
+    assert promote(tiny_model_dir, submission, min_format_rate=0, format_rate=50.0, accuracy=1.0, trial=3)
+    assert promoted(submission)["trial"] == 3 and (submission / MARKER).is_file()
+    check_submission(submission)

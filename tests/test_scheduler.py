@@ -1,0 +1,240 @@
+"""The Scheduler's decisions, one at a time, on the simulated backend and a virtual clock: GPU slots, fitting
+rounds into the time left, stopping and killing late or hung rounds, promotion, and orphaned trials of dead
+workers in a shared study."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from search import scheduler as scheduler_module
+from search.clock import VirtualClock
+from search.duration import DurationModel
+from search.scheduler import GRACE_SHARE, POLL_S, SAFETY_SHARE, Scheduler
+from search.settings import load_settings
+from search.simulated_backend import SimulatedBackend
+from search.study import open_study
+from trainer.config import ConfigError, TrialConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+START = 1_800_000_000.0
+
+
+def make_settings(tmp_path: Path, **overrides):
+    settings = load_settings(ROOT / "budget.yaml", hours=3, storage=str(tmp_path / "study.db"))
+    values = dict(
+        runs_dir=str(tmp_path / "runs"), gpus=2, gpus_per_trial=1, reserve_minutes=20, round_min_minutes=20,
+        round_max_minutes=60, hang_minutes=15, ood_rows=None, val_rows=500, prune_every=50, prune_rows=128,
+        sampler={"type": "tpe", "seed": 0, "n_startup_trials": 6},
+        pruner={"type": "median", "n_startup_trials": 4, "n_warmup_steps": 100},
+    )  # fmt: skip
+    return dataclasses.replace(settings, **{**values, **overrides})
+
+
+def scheduler_for(tmp_path: Path, *, backend_options=None, promote=None, clock_offset=0.0, **overrides):
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    settings = make_settings(tmp_path, **overrides)
+    clock = VirtualClock(START)
+    study, deadline = open_study(settings, now=clock.now())
+    clock.sleep(clock_offset)
+    backend = SimulatedBackend(settings, clock, 0, **(backend_options or {}))
+    return Scheduler(settings, study, deadline, backend, clock, promote=promote or (lambda outcome, trial: True))
+
+
+def run(scheduler: Scheduler) -> str:
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        scheduler.run()
+    return out.getvalue()
+
+
+def ran(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return [t for t in study.trials if "started_at" in t.user_attrs]
+
+
+def test_a_cpu_search_runs_one_round_at_a_time(tmp_path):
+    scheduler = scheduler_for(tmp_path, gpus=0)
+    run(scheduler)
+    rounds = sorted(ran(scheduler.study), key=lambda t: t.user_attrs["started_at"])
+    assert len(rounds) >= 3 and all(t.user_attrs["gpus"] == [] for t in rounds)
+    for a, b in zip(rounds, rounds[1:]):
+        assert a.user_attrs["ended_at"] <= b.user_attrs["started_at"]
+
+
+def test_gpus_are_split_into_disjoint_slots(tmp_path):
+    scheduler = scheduler_for(tmp_path, gpus=4, gpus_per_trial=2)
+    run(scheduler)
+    assert {tuple(t.user_attrs["gpus"]) for t in ran(scheduler.study)} == {(0, 1), (2, 3)}
+
+
+def test_nothing_is_asked_when_no_useful_round_fits(tmp_path):
+    # 19 minutes before the reserve, with 20-minute rounds at the least.
+    scheduler = scheduler_for(tmp_path, clock_offset=3 * 3600 - 39 * 60)
+    output = run(scheduler)
+    assert all(t.state == TrialState.WAITING for t in scheduler.study.trials)  # the warm starts wait their turn
+    assert "no more rounds: no time left for a useful round (19 min before the reserve)" in output
+
+
+def test_rounds_are_cut_to_fit_their_allotment_and_too_slow_ones_are_not_run(tmp_path):
+    scheduler = scheduler_for(tmp_path, round_max_minutes=30)
+    output = run(scheduler)
+    cut = [t for t in ran(scheduler.study) if t.user_attrs["steps"] < t.params["steps"]]
+    assert cut
+    too_slow = [t for t in scheduler.study.trials if (t.user_attrs.get("reason") or "").startswith("too slow")]
+    assert too_slow and "round_max_minutes" in too_slow[0].user_attrs["reason"]
+    for t in too_slow:  # a bad point for TPE, not a failure; the search went on
+        assert t.state == TrialState.PRUNED and t.value is None and "started_at" not in t.user_attrs
+    assert max(t.number for t in ran(scheduler.study)) > min(t.number for t in too_slow)
+    assert "too slow" not in output.splitlines()[-1]
+    for t in ran(scheduler.study):
+        assert t.user_attrs["allotted_s"] <= 30 * 60
+        assert t.user_attrs["predicted_s"] <= t.user_attrs["allotted_s"] * (1 - SAFETY_SHARE)
+        assert t.user_attrs["steps"] >= t.params["steps"] / 4  # never below a useful share of the sampled steps
+
+
+def late_search(tmp_path, *, tail_known: bool):
+    """A 7.5-hour search with 30-minute rounds whose prior believes rounds take a third of their time."""
+    scheduler = scheduler_for(tmp_path, hours=7.5, round_max_minutes=30)
+    scheduler.duration = DurationModel(eval_rows=1500, prior_scale=2.0 / 3)
+    if tail_known:  # setup, save and evaluation measured before (no training part): only training runs late
+        config = TrialConfig(model_path="m", train_path="t", output_dir="o")
+        scheduler.duration.observe(config, 0, {"setup": 200.0, "save": 140.0, "eval": 650.0})
+    output = run(scheduler)
+    rounds = sorted(ran(scheduler.study), key=lambda t: t.user_attrs["started_at"])
+    for t in rounds:  # stopped or killed, never later than the allotment plus its grace
+        allotted = t.user_attrs["allotted_s"]
+        assert t.user_attrs["ended_at"] - t.user_attrs["started_at"] <= allotted * (1 + GRACE_SHARE) + POLL_S
+    return rounds, output
+
+
+def test_a_late_round_is_stopped_early_enough_to_be_scored(tmp_path):
+    rounds, _ = late_search(tmp_path, tail_known=True)
+    stopped = [t for t in rounds if t.user_attrs["reason"] == "stopped: over its allotment"]
+    assert rounds[0] in stopped and rounds[1] in stopped
+    for t in stopped:
+        assert t.state == TrialState.COMPLETE and t.value is not None
+        assert t.user_attrs["steps_done"] < t.user_attrs["steps"]
+        assert t.user_attrs["ended_at"] - t.user_attrs["started_at"] <= t.user_attrs["allotted_s"] + POLL_S
+
+
+def test_a_round_still_late_is_killed_and_the_model_learns_from_it(tmp_path):
+    rounds, output = late_search(tmp_path, tail_known=False)
+    assert "round 0 stopped: over its allotment" in output  # stopped first, but the evaluation overran too
+    killed = [t for t in rounds if (t.user_attrs["reason"] or "").startswith("killed: still evaluating")]
+    assert rounds[0] in killed
+    for t in killed:
+        assert t.state == TrialState.FAIL and "past its allotment of 30 min" in t.user_attrs["reason"]
+        assert t.user_attrs["timings"]["eval_at_least"] > 0
+    # What the killed rounds' evaluations took so far taught the model: later rounds are scored in time.
+    assert max(rounds.index(t) for t in killed) < 4 and len(rounds) > 12
+
+
+def test_an_invalid_sampled_configuration_fails_its_trial_and_the_search_goes_on(tmp_path, monkeypatch):
+    sample = scheduler_module.space.sample_config
+    calls = []
+
+    def first_invalid(trial, settings, output_dir):
+        calls.append(trial.number)
+        if len(calls) == 1:
+            raise ConfigError("generation_steps", "must divide the batch")
+        return sample(trial, settings, output_dir)
+
+    monkeypatch.setattr(scheduler_module.space, "sample_config", first_invalid)
+    scheduler = scheduler_for(tmp_path, gpus=0)
+    run(scheduler)
+    first = scheduler.study.trials[calls[0]]
+    assert first.state == TrialState.FAIL
+    assert first.user_attrs["reason"] == "invalid configuration: generation_steps: must divide the batch"
+    assert len(ran(scheduler.study)) >= 3
+
+
+def test_failures_the_configuration_causes_are_bad_points_for_the_sampler(tmp_path, monkeypatch):
+    from search import simulated_backend
+
+    monkeypatch.setattr(simulated_backend, "NAN_LR_FACTOR", 0.0)  # any LoRA rate may diverge
+    scheduler = scheduler_for(tmp_path, backend_options={"failure_rate": 0.1, "hang_rate": 0.0})
+    run(scheduler)
+    rounds = ran(scheduler.study)
+    diverged = [t for t in rounds if (t.user_attrs["reason"] or "").startswith("NaN or inf loss")]
+    assert diverged and all(t.state == TrialState.PRUNED and t.user_attrs["state"] == "failed" for t in diverged)
+    others = [t for t in rounds if (t.user_attrs["reason"] or "").startswith("simulated failure")]
+    assert others and all(t.state == TrialState.FAIL for t in others)  # not the configuration's doing: invisible
+
+
+def test_hung_rounds_are_killed_and_a_broken_search_stops(tmp_path):
+    scheduler = scheduler_for(tmp_path, backend_options={"hang_rate": 1.0, "failure_rate": 0.0})
+    output = run(scheduler)
+    failed = [t for t in scheduler.study.trials if t.state == TrialState.FAIL]
+    # The round on the other GPU was already running when the fifth failure closed the search.
+    assert scheduler_module.MAX_CONSECUTIVE_FAILURES <= len(failed) <= scheduler_module.MAX_CONSECUTIVE_FAILURES + 1
+    assert all(t.user_attrs["reason"] == "hung: no progress for 15 min" for t in failed)
+    assert f"{scheduler_module.MAX_CONSECUTIVE_FAILURES} rounds in a row failed" in output.splitlines()[-1]
+    assert scheduler.clock.now() < scheduler.deadline - 3600  # it gave up long before the end
+
+
+def test_a_failed_promotion_keeps_the_previous_best_and_the_search_going(tmp_path):
+    calls: list[int] = []
+
+    def promote(outcome, trial):
+        calls.append(trial.number)
+        if len(calls) == 1:
+            raise OSError("No space left on device")
+        return len(calls) != 2  # the second is refused (e.g. its format rate is too low)
+
+    scheduler = scheduler_for(tmp_path, promote=promote)
+    run(scheduler)
+    trials = scheduler.study.trials
+    assert trials[calls[0]].user_attrs["promotion_error"] == "OSError: No space left on device"
+    assert trials[calls[1]].user_attrs["promoted"] is False
+    assert len(calls) >= 3 and trials[calls[2]].user_attrs["promoted"] is True
+    promoted = [t.value for t in trials if t.user_attrs.get("promoted")]
+    assert promoted == sorted(promoted)
+
+
+def test_only_trials_of_dead_workers_are_failed_as_orphans(tmp_path):
+    scheduler = scheduler_for(tmp_path, clock_offset=3 * 3600)  # no time left: it only sweeps, then returns
+    study, now = scheduler.study, scheduler.clock.now()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    workers = {
+        "live elsewhere": ("otherhost:1:aaaaaa", now - 30),
+        "stale elsewhere": ("otherhost:2:bbbbbb", now - 3600),
+        "dead here": (f"{socket.gethostname()}:{int(dead.stdout)}:cccccc", now - 1),
+    }
+    numbers = {}
+    for name, (worker, heartbeat) in workers.items():
+        trial = study.ask()
+        trial.set_user_attr("worker", worker)
+        trial.set_user_attr("heartbeat", heartbeat)
+        numbers[name] = trial.number
+    output = run(scheduler)
+    trials = study.trials
+    assert trials[numbers["live elsewhere"]].state == TrialState.RUNNING  # another live scheduler's round
+    for name in ("stale elsewhere", "dead here"):
+        t = trials[numbers[name]]
+        assert t.state == TrialState.FAIL
+        assert t.user_attrs["reason"] == "orphaned: the scheduler stopped during this round"
+    assert output.count("orphaned") == 2
+
+
+def test_an_exception_kills_the_running_rounds_and_records_why(tmp_path):
+    class Boom(Exception):
+        pass
+
+    def boom(trial, outcome):
+        raise Boom
+
+    scheduler = scheduler_for(tmp_path)
+    scheduler.on_round_end = boom
+    with pytest.raises(Boom), contextlib.redirect_stdout(io.StringIO()):
+        scheduler.run()
+    interrupted = [t for t in scheduler.study.trials if (t.user_attrs.get("reason") or "").startswith("interrupted")]
+    assert len(interrupted) == 1 and interrupted[0].state == TrialState.FAIL
+    assert not [t for t in scheduler.study.trials if t.state == TrialState.RUNNING]

@@ -1,0 +1,237 @@
+"""budget.yaml: the defaults load, every bad value is refused naming its key, the box is checked without loading."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from search.settings import BoxError, Settings, SettingsError, check_box, load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGET = ROOT / "budget.yaml"
+DEMO_BUDGET = ROOT / "search" / "demo_budget.yaml"
+
+
+def write_budget(folder: Path, changes: dict | None = None, removed: tuple[str, ...] = ()) -> Path:
+    """budget.yaml with `changes` applied at dotted key paths ("space.beta.low") and `removed` keys dropped."""
+    data = yaml.safe_load(BUDGET.read_text())
+    for path, value in (changes or {}).items():
+        *parents, last = path.split(".")
+        node = data
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+    for key in removed:
+        del data[key]
+    path = folder / "budget.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_defaults_load():
+    settings = load_settings(BUDGET)
+    assert isinstance(settings, Settings)
+    assert settings.hours == 7.5 and settings.gpus == 2 and settings.gpus_per_trial == 1
+    assert settings.model_path == "/app/models/Qwen2-VL-2B-Instruct"
+    assert settings.submission_path == "/app/submission"
+    assert Path(settings.runs_dir).is_absolute()
+    assert settings.storage == "study.db" and settings.ood_rows is None
+    assert settings.sampler["type"] == "tpe" and settings.pruner["type"] == "median"
+    assert [w["name"] for w in settings.warm_starts] == ["strong", "baseline"]
+    assert settings.space["learning_rate_lora"] == {"low": 3e-6, "high": 1e-4}
+
+
+def test_demo_budget_has_the_same_keys_and_loads():
+    assert set(yaml.safe_load(DEMO_BUDGET.read_text())) == set(yaml.safe_load(BUDGET.read_text()))
+    settings = load_settings(DEMO_BUDGET)
+    import torch
+
+    assert settings.gpus == torch.cuda.device_count()  # gpus: auto
+    assert settings.model_path.endswith("built/demo-model")
+
+
+def test_overrides():
+    settings = load_settings(BUDGET, hours=2.0, storage="postgresql://u@h/db", study_name="other")
+    assert (settings.hours, settings.storage, settings.study_name) == (2.0, "postgresql://u@h/db", "other")
+    assert load_settings(BUDGET, hours="3").hours == 3.0  # the CLI passes its text
+
+
+@pytest.mark.parametrize("hours", [0, -1, math.nan, math.inf, "abc", "nan", True, None])
+def test_bad_hours_in_the_file(tmp_path, hours):
+    with pytest.raises(SettingsError, match=r"^hours: "):
+        load_settings(write_budget(tmp_path, {"hours": hours}))
+
+
+@pytest.mark.parametrize("hours", [0, -2.0, math.nan, "x", "0", "-1"])
+def test_bad_hours_override(hours):
+    with pytest.raises(SettingsError, match=r"^hours: "):
+        load_settings(BUDGET, hours=hours)
+
+
+def test_hours_must_leave_room_for_one_round():
+    with pytest.raises(SettingsError, match=r"^hours: 0.5 h leaves no room for one round"):
+        load_settings(BUDGET, hours=0.5)
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"reserve_minutes": -1}, "reserve_minutes: must be >= 0"),
+        ({"round_min_minutes": 0}, "round_min_minutes: must be > 0"),
+        ({"round_max_minutes": 10}, "round_max_minutes: must be >= round_min_minutes"),
+        ({"hang_minutes": "soon"}, "hang_minutes: must be a finite number"),
+        ({"gpus": -1}, "gpus: must be an integer >= 0"),
+        ({"gpus": "many"}, "gpus: must be an integer >= 0 or 'auto'"),
+        ({"gpus_per_trial": 3}, "gpus_per_trial: 3 is more than gpus"),
+        ({"gpus": 3, "gpus_per_trial": 2}, "gpus_per_trial: 2 does not divide gpus"),
+        ({"gpus_per_trial": 0}, "gpus_per_trial: must be an integer >= 1"),
+        ({"model_path": ""}, "model_path: must be a non-empty string"),
+        ({"study_name": None}, "study_name: must be a non-empty string"),
+        ({"storage": 5}, "storage: must be a non-empty string"),
+        ({"ood_rows": 0}, "ood_rows: must be an integer >= 1"),
+        ({"prune_rows": 2.5}, "prune_rows: must be an integer"),
+        ({"prune_every": -1}, "prune_every: must be an integer >= 0"),
+        ({"eval_batch_size": 0}, "eval_batch_size: must be an integer >= 1"),
+        ({"seed": -1}, "seed: must be an integer in"),
+        ({"min_format_rate": 150}, "min_format_rate: must be <= 100"),
+        ({"keep_rounds": -1}, "keep_rounds: must be an integer >= 0"),
+        ({"sampler.type": "cmaes"}, "sampler.type: must be one of"),
+        ({"sampler.n_startup": 3}, "sampler.n_startup: not an option of TPESampler"),
+        ({"pruner.n_warmup_steps": -1}, "pruner: MedianPruner"),
+        ({"pruner": {"type": "percentile"}}, "pruner: PercentilePruner"),
+        ({"space.learning_rate_lora.low": 0}, "space.learning_rate_lora.low: must be > 0"),
+        ({"space.beta.high": 0.0001}, "space.beta.high: must be >= low"),
+        ({"space.beta.mid": 0.01}, "space.beta.mid: unknown key"),
+        ({"space.steps.low": 10.5}, "space.steps.low: must be an integer"),
+        ({"space.temperature.high": 3.0}, "space.temperature.high: must be in"),
+        ({"space.num_generations": [1, 8]}, r"space.num_generations\[0\]: must be in \[2, 256\]"),
+        ({"space.num_generations": []}, "space.num_generations: must be a non-empty list"),
+        ({"space.lora_rank": [0, 16, 16]}, "space.lora_rank: has a repeated choice"),
+        ({"space.loss_type": ["ppo"]}, r"space.loss_type\[0\]: must be one of"),
+        ({"space.max_pixels": [10]}, r"space.max_pixels\[0\]: must be in"),
+        ({"space.momentum": [0.9]}, "space.momentum: unknown option"),
+        ({"space.reward_weights.bogus": [0.0]}, "space.reward_weights.bogus: unknown reward"),
+        ({"space.reward_weights.brevity": [-1.0]}, r"space.reward_weights.brevity\[0\]: must be in \[0, 1000\]"),
+        ({"space.reward_weights.answer_format": [0.0]}, "space.reward_weights.answer_format: needs a weight > 0"),
+        ({"fixed.learning_rate": 1e-5}, "fixed.learning_rate: set by the key 'space'"),
+        ({"fixed.eval_rows": 64}, "fixed.eval_rows: set by the key 'prune_rows'"),
+        ({"fixed.output_dir": "x"}, "fixed.output_dir: set by the key 'runs_dir'"),
+        ({"fixed.bogus": 1}, "fixed.bogus: not a TrialConfig option"),
+        ({"fixed.prompts_per_step": 0}, "fixed.prompts_per_step: must be in"),
+        ({"warm_starts.0.params.learning_rate": 1.0}, r"warm_starts\[0\].params.learning_rate: 1.0 is outside"),
+        ({"warm_starts.0.params.lora_rank": 32}, r"warm_starts\[0\].params.lora_rank: 32 is not one of"),
+        ({"warm_starts.1.params.steps": 105}, r"warm_starts\[1\].params.steps: 105 is not on the grid"),
+        ({"warm_starts.1.params.optimizer": "sgd"}, r"warm_starts\[1\].params.optimizer: not a searched option"),
+        ({"warm_starts.1.params.reward_weights": {"brevity": 1.0}}, r"warm_starts\[1\].params.reward_weights: accur"),
+        ({"warm_starts.1.name": "strong"}, r"warm_starts\[1\].name: 'strong' is taken"),
+        ({"warm_starts.1": {"name": "x"}}, r"warm_starts\[1\]: must have exactly the keys name and params"),
+    ],
+)
+def test_bad_values_name_their_key(tmp_path, changes, expected):
+    with pytest.raises(SettingsError, match="^" + expected):
+        load_settings(write_budget(tmp_path, changes))
+
+
+def test_unknown_and_missing_keys(tmp_path):
+    with pytest.raises(SettingsError, match=r"^hourz: unknown key"):
+        load_settings(write_budget(tmp_path, {"hourz": 3}))
+    with pytest.raises(SettingsError, match=r"^reserve_minutes: missing"):
+        load_settings(write_budget(tmp_path, removed=("reserve_minutes",)))
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    path = tmp_path / "budget.yaml"
+    path.write_text("hours: 7.5\nspace: {beta: [1, 2\nseed: 0\n")
+    with pytest.raises(SettingsError, match=r"^budget: malformed YAML at .*budget.yaml:\d+"):
+        load_settings(path)
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(SettingsError, match="must hold a mapping"):
+        load_settings(path)
+    with pytest.raises(SettingsError, match="cannot read"):
+        load_settings(tmp_path / "absent.yaml")
+
+
+def test_exponent_numbers_without_a_dot_are_floats(tmp_path):
+    path = write_budget(tmp_path)
+    path.write_text(path.read_text().replace("low: 3.0e-06", "low: 3e-6"))
+    assert load_settings(path).space["learning_rate_lora"]["low"] == 3e-6
+
+
+def test_messages_are_one_line(tmp_path):
+    with pytest.raises(SettingsError) as info:
+        load_settings(write_budget(tmp_path, {"pruner.n_warmup_steps": -1}))
+    assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------- the box
+@pytest.fixture()
+def box(tmp_path, tiny_split_dir) -> Settings:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    changes = {
+        "model_path": str(model),
+        "train_path": str(tiny_split_dir),
+        "val_path": str(tiny_split_dir),
+        "ood_val_path": str(tiny_split_dir),
+        "submission_path": str(tmp_path / "app" / "submission"),
+        "runs_dir": str(tmp_path / "runs" / "deeper"),
+    }
+    (tmp_path / "app").mkdir()
+    return load_settings(write_budget(tmp_path, changes))
+
+
+def test_check_box_accepts_a_good_box_and_writes_nothing(box, tmp_path):
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    check_box(box)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_check_box_refuses_a_model_that_is_not_qwen2_vl(box):
+    Path(box.model_path, "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(BoxError, match=r"^model_path: .* is not a Qwen2-VL folder \(config.json model_type 'llama'\)"):
+        check_box(box)
+    Path(box.model_path, "config.json").unlink()
+    with pytest.raises(BoxError, match=r"^model_path: .* is not a model folder \(no config.json\)"):
+        check_box(box)
+
+
+def test_check_box_refuses_missing_or_bad_data(box, tmp_path):
+    import dataclasses
+
+    with pytest.raises(BoxError, match=r"^train_path: "):
+        check_box(dataclasses.replace(box, train_path=str(tmp_path / "absent")))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(BoxError, match=r"^ood_val_path: "):
+        check_box(dataclasses.replace(box, ood_val_path=str(empty)))
+
+
+def test_check_box_refuses_unwritable_places(box, tmp_path):
+    import dataclasses
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(BoxError, match=r"^submission_path: .*a-file is not a folder"):
+        check_box(dataclasses.replace(box, submission_path=str(blocker / "submission")))
+    with pytest.raises(BoxError, match=r"^submission_path: .* does not exist"):
+        check_box(dataclasses.replace(box, submission_path=str(tmp_path / "no" / "submission")))
+    with pytest.raises(BoxError, match=r"^submission_path: .* exists and is not a folder"):
+        check_box(dataclasses.replace(box, submission_path=str(blocker)))
+    with pytest.raises(BoxError, match=r"^runs_dir: .*a-file is not a folder"):
+        check_box(dataclasses.replace(box, runs_dir=str(blocker / "runs")))
+
+
+def test_settings_are_frozen():
+    settings = load_settings(BUDGET)
+    with pytest.raises(Exception):
+        settings.hours = 1.0  # type: ignore[misc]
+    assert copy.deepcopy(settings) == settings
