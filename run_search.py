@@ -109,8 +109,16 @@ def _search(args: argparse.Namespace) -> int:
     where = settings.storage if "://" not in settings.storage else "the database"  # a URL may hold a password
     print(f"study {settings.study_name} in {where}: deadline {_clock_time(deadline)}, {finished} round(s) "
           f"finished before; watch it with: {_dashboard_command(settings.storage)}", flush=True)  # fmt: skip
-    scheduler = Scheduler(settings, study, deadline, backend, clock,
-                          on_round_end=_RoundEnd(settings, study, folder, plots=not args.simulate), promote=promote)  # fmt: skip
+    scheduler = Scheduler(
+        settings,
+        study,
+        deadline,
+        backend,
+        clock,
+        on_round_end=_RoundEnd(settings, study, folder, prune=not args.simulate),
+        promote=promote,
+        on_round_scored=None if args.simulate else _RoundPlot(settings),
+    )
     try:
         scheduler.run()
     except KeyboardInterrupt:
@@ -128,24 +136,38 @@ def _recorded_promotion(outcome, trial) -> bool:
     return True
 
 
-class _RoundEnd:
-    """After each round: its plot into the dashboard, old weights deleted, the leaderboard rewritten. A failure
-    here is reported and the search goes on: hours of rounds are worth more than a plot."""
+class _RoundPlot:
+    """Before a round is told: its plot (rewards, completion length, intermediate accuracy) attached to its trial,
+    where the dashboard shows it. A failure is reported and the search goes on: hours of rounds outweigh a plot."""
 
-    def __init__(self, settings: Settings, study, folder: Path, *, plots: bool):
-        self.settings, self.study, self.folder, self.plots = settings, study, folder, plots
+    def __init__(self, settings: Settings):
+        self.settings = settings
 
     def __call__(self, trial, outcome) -> None:
         from search.plots import artifact_dir, plot_round, upload_plot
+
+        try:
+            run_dir = Path(trial.user_attrs["run_dir"])
+            png = plot_round(run_dir / "progress.jsonl", run_dir / f"round-{trial.number:04d}.png",
+                             title=f"round {trial.number}: {outcome.state}")  # fmt: skip
+            if png is not None:
+                upload_plot(trial, png, artifact_dir(self.settings.storage))
+        except Exception as exc:  # noqa: BLE001 - see the class docstring
+            print(f"warning: plot of round {trial.number}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
+class _RoundEnd:
+    """After each round is told: old weights deleted, the leaderboard rewritten. A failure here is reported and the
+    search goes on."""
+
+    def __init__(self, settings: Settings, study, folder: Path, *, prune: bool):
+        self.settings, self.study, self.folder, self.prune = settings, study, folder, prune
+
+    def __call__(self, trial, outcome) -> None:
         from search.promotion import prune_run_dirs
 
         try:
-            run_dir = trial.user_attrs.get("run_dir")
-            if self.plots and run_dir:
-                png = plot_round(Path(run_dir) / "progress.jsonl", Path(run_dir) / f"round-{trial.number:04d}.png",
-                                 title=f"round {trial.number}: {outcome.state}")  # fmt: skip
-                if png is not None:
-                    upload_plot(self.study, trial, png, artifact_dir(self.settings.storage))
+            if self.prune:
                 prune_run_dirs(self.study, self.settings.keep_rounds)
             _write_leaderboard(self.study, self.folder)
         except Exception as exc:  # noqa: BLE001 - see the class docstring
@@ -155,6 +177,9 @@ class _RoundEnd:
 # ---------------------------------------------------------------------------------------------------------- the demo
 def _build_demo_box(settings: Settings) -> None:
     """The demo's model and data where demo_budget.yaml points, built once (a finished build is reused)."""
+    import datasets
+
+    datasets.disable_progress_bars()  # a few hundred rows: the bars would only bury the search's own lines
     model = Path(settings.model_path)
     if not (model / "config.json").is_file():
         from synthetic.models import build_model

@@ -10,7 +10,6 @@ import math
 from pathlib import Path
 
 import optuna
-from optuna.trial import FrozenTrial
 
 ARTIFACT_DIR = "artifacts"
 
@@ -70,17 +69,13 @@ def plot_round(progress_path: str | Path, png_path: str | Path, *, title: str = 
     return png_path
 
 
-def upload_plot(study: optuna.Study, trial: optuna.Trial | FrozenTrial, png_path: str | Path, folder: str | Path) -> str:
-    """Attach `png_path` to `trial` in the artifact store at `folder`; returns the artifact id.
+def upload_plot(trial: optuna.Trial, png_path: str | Path, folder: str | Path) -> str:
+    """Attach `png_path` to the running `trial` in the artifact store at `folder`; returns the artifact id.
 
-    A finished trial cannot take new attributes, so its plot goes to the study instead (named after the trial).
+    Called before the trial is told: Optuna takes no new attribute, artifacts included, on a finished trial.
     """
     store = optuna.artifacts.FileSystemArtifactStore(_made(Path(folder)))
-    if isinstance(trial, FrozenTrial) and trial.state.is_finished():
-        return optuna.artifacts.upload_artifact(artifact_store=store, file_path=str(png_path), study_or_trial=study)
-    return optuna.artifacts.upload_artifact(
-        artifact_store=store, file_path=str(png_path), study_or_trial=trial, storage=study._storage
-    )
+    return optuna.artifacts.upload_artifact(artifact_store=store, file_path=str(png_path), study_or_trial=trial)
 
 
 def _line(axes, records: list[dict], value, label: str, **style) -> None:

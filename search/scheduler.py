@@ -81,20 +81,28 @@ class Scheduler:
         clock: Clock,
         on_round_end: RoundEndHook | None = None,
         promote: PromoteHook | None = None,
+        on_round_scored: RoundEndHook | None = None,
     ):
         """`promote(outcome, trial) -> bool` is called with a round that beats the best promoted score (None: the
         real promotion into `settings.submission_path`; a simulated search passes a recorder). `on_round_end(trial,
-        outcome)` runs after each round is told (run_search writes the leaderboard and plots there)."""
+        outcome)` runs after each round is told (run_search writes the leaderboard there); `on_round_scored(trial,
+        outcome)` just before, with the live trial (run_search attaches the round's plot to it: Optuna takes no
+        artifact on a finished trial)."""
         self.settings = settings
         self.study = study
         self.deadline = deadline
         self.backend = backend
         self.clock = clock
         self.on_round_end = on_round_end
+        self.on_round_scored = on_round_scored
         self.promote = promote or self._promote_to_submission
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         eval_rows = (settings.ood_rows or OOD_ROWS_GUESS) + settings.val_rows
-        self.duration = DurationModel(eval_rows=eval_rows, eval_processes=1 + (settings.val_rows > 0))
+        self.duration = DurationModel(
+            eval_rows=eval_rows,
+            eval_processes=1 + (settings.val_rows > 0),
+            prior_scale=settings.duration_prior_scale,
+        )
         if settings.gpus == 0:
             self._slots: list[list[int]] = [[]]
         else:
@@ -146,7 +154,8 @@ class Scheduler:
         trial = self.study.ask()
         trial.set_user_attr("worker", self.worker)
         trial.set_user_attr("heartbeat", now)
-        run_dir = Path(self.settings.runs_dir) / f"round-{trial.number:04d}"
+        # Per study: several studies (the demo, a renamed study) may share one runs folder.
+        run_dir = Path(self.settings.runs_dir) / self.settings.study_name / f"round-{trial.number:04d}"
         try:
             config = space.sample_config(trial, self.settings, str(run_dir))
         except ConfigError as error:  # a sampled combination the trainer would refuse
@@ -292,6 +301,8 @@ class Scheduler:
         if state in ("completed", "stopped") and (self._best is None or outcome.ood_accuracy > self._best[0]):
             self._promote(r.trial, outcome)
 
+        if self.on_round_scored is not None:
+            self.on_round_scored(r.trial, outcome)
         if state in ("completed", "stopped"):
             self.study.tell(r.trial, outcome.ood_accuracy)
         elif state == "pruned" or (state == "failed" and not r.killed and (reason or "").startswith(CONFIG_FAILURES)):

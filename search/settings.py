@@ -85,6 +85,7 @@ class Settings:
     min_format_rate: float
     keep_rounds: int
     hang_minutes: float
+    duration_prior_scale: float
     space: dict
     fixed: dict
     warm_starts: list[dict]
@@ -264,6 +265,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "min_format_rate": lambda k, v: _number(k, v, low=0, high=100),
     "keep_rounds": lambda k, v: _integer(k, v, low=0),
     "hang_minutes": lambda k, v: _number(k, v, low=0, low_open=True),
+    "duration_prior_scale": lambda k, v: _number(k, v, low=0, low_open=True),
 }
 
 

@@ -116,7 +116,7 @@ def test_optuna_dashboard_cli_opens_the_journal_and_serves_a_round_plot(settings
                     "ood_accuracy": 50 + s if s % 2 == 0 else None}) + "\n" for s in range(1, 9)
     ))  # fmt: skip
     png = plot_round(progress, tmp_path / "round-0.png", title="trial 0")
-    artifact_id = upload_plot(study, trial, png, tmp_path / "artifacts")
+    artifact_id = upload_plot(trial, png, tmp_path / "artifacts")
     study.tell(trial, 55.0)
 
     port = _free_port()
@@ -143,12 +143,13 @@ def test_round_plot_skips_a_torn_line_and_needs_data(tmp_path):
     assert png is not None and png.read_bytes().startswith(b"\x89PNG")
 
 
-def test_a_finished_trials_plot_goes_to_the_study(tmp_path):
+def test_a_rounds_plot_is_attached_to_its_trial(tmp_path):
     study = optuna.create_study(direction="maximize")
     trial = study.ask()
-    study.tell(trial, 1.0)
     png = tmp_path / "round-0000.png"
     png.write_bytes(b"\x89PNG fake")
-    artifact_id = upload_plot(study, study.trials[0], png, tmp_path / "artifacts")
-    metas = optuna.artifacts.get_all_artifact_meta(study)
+    artifact_id = upload_plot(trial, png, tmp_path / "artifacts")
+    study.tell(trial, 1.0)
+    metas = optuna.artifacts.get_all_artifact_meta(study.trials[0], storage=study._storage)
     assert [(m.artifact_id, m.filename) for m in metas] == [(artifact_id, "round-0000.png")]
+    assert optuna.artifacts.get_all_artifact_meta(study) == []
