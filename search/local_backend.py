@@ -9,6 +9,7 @@ child (accelerate's workers, dataloader workers). Nothing blocks except `kill`, 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -22,6 +23,15 @@ from search.backend import DONE, EVALUATING, TRAINING, RoundOutcome
 from trainer.config import TrialConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# Every process group a round spawned (the trainer, then each evaluation), one JSON line each: {"pgid", "start",
+# "host"}. Rounds run in their own sessions, so a scheduler killed with SIGKILL leaves them running; the next
+# scheduler on this host reads this file when it fails the orphaned trial and kills what is left (`reap_orphan`).
+PROCESSES_FILE = "processes.jsonl"
+_PR_SET_PDEATHSIG = 1
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the child only calls into it
+except OSError:  # not Linux/glibc: no parent-death signal, the orphan sweep alone cleans up
+    _LIBC = None
 
 
 class LocalBackend:
@@ -37,10 +47,17 @@ class LocalBackend:
         run_dir = Path(config.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         # A folder left by an earlier study under the same runs_dir must not pass its files off as this round's.
-        for stale in ("STOP", "progress.jsonl", "status.json", "ood_eval.json", "val_eval.json"):
+        for stale in ("STOP", "progress.jsonl", "status.json", "ood_eval.json", "val_eval.json", PROCESSES_FILE):
             (run_dir / stale).unlink(missing_ok=True)
         config.to_json(run_dir / "trial.json")
         return LocalRound(self, run_dir, gpus)
+
+    def reap_orphan(self, run_dir: str | os.PathLike) -> list[int]:
+        """Kill what is left of a round whose scheduler died (SIGKILL, power loss of the scheduler alone): every
+        process group its `processes.jsonl` lists that was started on this host and is still the same group
+        (a group whose leader now is a different process, by its start time, is someone else's). Returns the
+        process group ids signalled."""
+        return reap_processes(Path(run_dir))
 
     def train_command(self, gpus: list[int], config_path: Path) -> list[str]:
         if self.trainer_command is not None:
@@ -181,8 +198,9 @@ class LocalRound:
         with log.open("ab") as out:
             proc = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self._env, start_new_session=True,
+                env=self._env, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
             )  # fmt: skip
+        _record_process(self.run_dir, proc.pid)
         return proc, time.monotonic()
 
     def _after_training(self, returncode: int) -> None:
@@ -191,6 +209,11 @@ class LocalRound:
         if returncode != 0 or state not in ("completed", "stopped"):
             reason = self._status.get("reason") if state == "failed" else None
             log = _last_line(self.run_dir / "train.log")
+            if reason is None and returncode < 0:  # no status: killed by a signal (SIGKILL: often the OOM killer)
+                name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else -returncode
+                reason = f"the trainer was killed by {name}" + (" (the kernel's out-of-memory killer sends it)"
+                                                                 if returncode == -signal.SIGKILL else "")
+                reason += f": {log}"
             self._finish("failed", reason or f"the trainer exited with code {returncode}: {log}")
         elif not (self._merged / "config.json").is_file():
             self._finish("failed", f"the trainer reported {state} but wrote no model to {self._merged}")
@@ -237,6 +260,63 @@ class LocalRound:
         if self._eval_cut is not None:
             timings["eval_at_least"] = self._eval_cut
         return timings
+
+
+def _die_with_parent(parent: int):
+    """A preexec function: the round's group leader gets SIGTERM when the scheduler dies (a trainer then stops after
+    its step and saves; accelerate's launcher passes it on to its workers; an evaluator exits). A process deaf to
+    SIGTERM, or a straggler its leader left, is killed by the next scheduler's orphan sweep (`reap_processes`)."""
+    if _LIBC is None:
+        return None
+
+    def preexec() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the scheduler died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot, /proc/PID/stat field 22), None when there is none."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _record_process(run_dir: Path, pid: int) -> None:
+    line = {"pgid": pid, "start": _start_time(pid), "host": socket.gethostname()}
+    with (run_dir / PROCESSES_FILE).open("a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def reap_processes(run_dir: Path) -> list[int]:
+    """SIGKILL every process group `run_dir/processes.jsonl` lists from this host, unless its id was reused: a
+    group id stays taken while any member lives, so a listed id is still the round's own group when its leader is
+    gone or is the process that was recorded (same start time)."""
+    try:
+        lines = (run_dir / PROCESSES_FILE).read_text().splitlines()
+    except OSError:
+        return []
+    killed = []
+    for raw in lines:
+        try:
+            entry = json.loads(raw)
+            pgid, start, host = int(entry["pgid"]), entry.get("start"), entry.get("host")
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn line: its process was the last one spawned, and the scheduler died with it
+        if host != socket.gethostname() or pgid <= 1:
+            continue
+        now = _start_time(pgid)
+        if now is not None and start is not None and now != start:
+            continue  # the id belongs to another process now
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
+        killed.append(pgid)
+    return killed
 
 
 def _kill_group(pgid: int, sig: signal.Signals) -> None:

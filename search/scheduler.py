@@ -96,6 +96,7 @@ class Scheduler:
         self.on_round_end = on_round_end
         self.on_round_scored = on_round_scored
         self.promote = promote or self._promote_to_submission
+        self._into_submission = promote is None  # the real promotion: the submission's PROMOTED.json is the best
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         eval_rows = (settings.ood_rows or OOD_ROWS_GUESS) + settings.val_rows
         self.duration = DurationModel(
@@ -367,8 +368,18 @@ class Scheduler:
             if "config" in attrs and "timings" in attrs:
                 config = TrialConfig.from_dict(attrs["config"])
                 self.duration.observe(config, attrs.get("steps_done", 0), attrs["timings"])
+            if self._into_submission:
+                continue
             if attrs.get("promoted") and t.value is not None and (self._best is None or t.value > self._best[0]):
                 self._best = (t.value, t.number)
+        if self._into_submission:
+            # What this box's submission holds, not the study's best promoted trial: with several boxes on one study
+            # each promotes into its own submission folder, and a box that joins late must still fill its own.
+            from search.promotion import promoted  # late: see _promote_to_submission
+
+            marker = promoted(self.settings.submission_path)
+            if marker is not None and isinstance(marker.get("accuracy"), (int, float)):
+                self._best = (float(marker["accuracy"]), marker.get("trial"))
 
     def _heartbeat_and_sweep(self, now: float) -> None:
         ours = {r.trial.number for r in self._running.values()}
@@ -380,15 +391,28 @@ class Scheduler:
             beat = t.user_attrs.get("heartbeat")
             if beat is None:  # asked a moment ago by a live worker, or left by one that died at once
                 beat = self._first_seen.setdefault(t.number, now)
-            if _dead_worker(t.user_attrs.get("worker")) or now - beat >= ORPHAN_AFTER_S:
-                self._fail_orphan(t, now)
+            dead_here = _dead_worker(t.user_attrs.get("worker"))
+            if dead_here or now - beat >= ORPHAN_AFTER_S:
+                self._fail_orphan(t, now, reap=dead_here)
 
-    def _fail_orphan(self, t: FrozenTrial, now: float) -> None:
+    def _fail_orphan(self, t: FrozenTrial, now: float, *, reap: bool = False) -> None:
         reason = "orphaned: the scheduler stopped during this round"
+        # Its processes run in their own sessions and outlive a scheduler killed with SIGKILL (their leader gets
+        # SIGTERM then, see local_backend; a process deaf to it, or a straggler, would hold the GPUs): a worker
+        # known dead on this host leaves its round's process groups to us.
+        reap_orphan = getattr(self.backend, "reap_orphan", None)
+        killed: list[int] = []
+        if reap and reap_orphan is not None and t.user_attrs.get("run_dir"):
+            try:
+                killed = reap_orphan(t.user_attrs["run_dir"])
+            except Exception as error:  # noqa: BLE001 - the sweep goes on; the trial is still failed
+                self._say(now, f"round {t.number}: could not end its processes: {type(error).__name__}: {error}")
         trial = optuna.trial.Trial(self.study, t._trial_id)  # the live handle of a stored trial
         try:
             trial.set_user_attr("state", "failed")
             trial.set_user_attr("reason", reason)
+            if killed:
+                trial.set_user_attr("reaped_process_groups", killed)
             self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
         except optuna.exceptions.UpdateFinishedTrialError:
             return  # its worker was alive after all and told it meanwhile

@@ -128,16 +128,26 @@ def check_box(settings: Settings) -> None:
     """Check that the box holds what the settings point at, loading no model and decoding no image.
 
     The model folder must be a Qwen2-VL folder, the data folders must load as splits with `image`, `problem` and
-    `solution`, and the submission's parent and the runs folder must be writable. Raises BoxError (one line).
+    `solution` (every solution holding a gold count), and the submission's parent and the runs folder must be
+    writable. Raises BoxError (one line).
     """
-    from evaluator.data import DataError, load_split  # late: `datasets` is slow to import and --simulate needs none
+    from evaluator.data import DataError, load_split, validate_solutions  # late: `datasets` is slow to import
+
+    import datasets
 
     _check_model_folder(Path(settings.model_path))
-    for key in ("train_path", "val_path", "ood_val_path"):
-        try:
-            load_split(getattr(settings, key))  # checks the folder and its columns; arrow is mapped, not read
-        except DataError as exc:
-            raise BoxError(f"{key}: {_one_line(exc)}") from None
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a parquet folder is converted with bars on stderr: a refusal is one line
+    try:
+        for key in ("train_path", "val_path", "ood_val_path"):
+            try:
+                split = load_split(getattr(settings, key))  # the folder and its columns; arrow is mapped, not read
+                validate_solutions(split, getattr(settings, key))  # the solution column alone: no image decoded
+            except DataError as exc:
+                raise BoxError(f"{key}: {_one_line(exc)}") from None
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
     submission = Path(settings.submission_path)
     if submission.exists() and not submission.is_dir():
         raise BoxError(f"submission_path: {submission} exists and is not a folder")

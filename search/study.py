@@ -8,6 +8,7 @@ ask/tell, so Optuna's heartbeat (which only `optimize()` runs) is not configured
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 
@@ -18,6 +19,10 @@ from search import space
 from search.settings import PRUNERS, SAMPLERS, Settings
 
 DEADLINE_ATTR = "deadline"  # unix seconds; set once, at creation, and kept by every resumed run
+# How long a study without a deadline is given for its creator (another worker, a moment earlier) to store one.
+DEADLINE_WAIT_S = 5.0
+# Attempts at opening a database whose schema another worker is creating at the same moment.
+SCHEMA_ATTEMPTS = 4
 
 
 class StudyError(ValueError):
@@ -27,10 +32,17 @@ class StudyError(ValueError):
 def open_storage(storage: str, *, create: bool = True) -> optuna.storages.BaseStorage:
     """The storage a budget's `storage` names: a Journal file for a path, an RDBStorage for a URL."""
     if "://" in storage:
-        try:
-            return optuna.storages.RDBStorage(storage)
-        except Exception as exc:  # drivers raise their own types (ImportError, OperationalError, ArgumentError, ...)
-            raise StudyError(f"storage: cannot open {_redact(storage)}: {_one_line(exc)}") from None
+        url = _with_driver(storage)
+        for attempt in range(SCHEMA_ATTEMPTS):
+            try:
+                return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
+            except Exception as exc:  # drivers raise their own types (ImportError, OperationalError, ...)
+                # Workers started together on an empty database race to create Optuna's tables and types: the
+                # loser's CREATE fails with "already exists". The creation checks first, so a retry finds them.
+                if "already exists" in str(exc) and attempt + 1 < SCHEMA_ATTEMPTS:
+                    time.sleep(0.5 * (attempt + 1))
+                    continue
+                raise StudyError(f"storage: cannot open {_redact(storage)}: {_one_line(exc)}") from None
     path = Path(storage).expanduser()
     if not create and not path.is_file():
         raise StudyError(f"storage: {storage} does not exist")
@@ -79,9 +91,20 @@ def open_study(settings: Settings, *, now: float) -> tuple[optuna.Study, float]:
             f"study_name: the study {settings.study_name!r} in {_redact(settings.storage)} optimizes {directions}, "
             "not maximize; pick another --study-name"
         )
-    if DEADLINE_ATTR not in study.user_attrs:
+    if DEADLINE_ATTR not in study.user_attrs and not _wait_for_deadline(study):
         raise StudyError(f"study_name: the study {settings.study_name!r} was not created by this search (no deadline)")
     return study, float(study.user_attrs[DEADLINE_ATTR])
+
+
+def _wait_for_deadline(study: optuna.Study, seconds: float = DEADLINE_WAIT_S) -> bool:
+    """A worker that lost the race to create the study may load it before its creator stored the deadline (a moment
+    later): wait a little for it rather than refuse the study. False when it never comes."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        time.sleep(0.1)
+        if DEADLINE_ATTR in study.user_attrs:  # read from the storage at each access
+            return True
+    return False
 
 
 def load_existing_study(settings: Settings) -> optuna.Study:
@@ -116,6 +139,33 @@ def _existing_trials(storage: optuna.storages.BaseStorage, name: str) -> int | N
     except KeyError:
         return None
     return len(storage.get_all_trials(study_id, deepcopy=False))
+
+
+# Seconds to wait for a database server before giving up: an unreachable host (a firewall that drops packets) would
+# otherwise hang the start for minutes (the driver's default is the operating system's TCP timeout).
+CONNECT_TIMEOUT_S = 10
+
+
+def _with_driver(url: str) -> str:
+    """A PostgreSQL URL without a driver, made to use the installed one. SQLAlchemy 2.1 maps a bare `postgresql://`
+    to psycopg 3, while this project installs psycopg2 (`psycopg2-binary`); `postgres://` is no longer accepted."""
+    scheme, rest = url.split("://", 1)
+    if scheme not in ("postgresql", "postgres"):
+        return url
+    import importlib.util
+
+    if importlib.util.find_spec("psycopg") is not None:
+        return f"postgresql+psycopg://{rest}"
+    if importlib.util.find_spec("psycopg2") is not None:
+        return f"postgresql+psycopg2://{rest}"
+    raise StudyError(f"storage: no PostgreSQL driver for {_redact(url)}: pip install psycopg2-binary")
+
+
+def _engine_kwargs(url: str) -> dict:
+    scheme = url.split("://", 1)[0].split("+", 1)[0].lower()
+    if scheme in ("postgresql", "postgres", "mysql", "mariadb"):
+        return {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
+    return {}
 
 
 def _redact(url: str) -> str:

@@ -309,10 +309,14 @@ def save_merged(trainer: MergedLoraGRPOTrainer, config: TrialConfig) -> Path:
         model = model.to(base_config.dtype)
     model.config = base_config
     model.generation_config = GenerationConfig.from_pretrained(config.model_path)
-    model.save_pretrained(tmp)
-    # The base processor, untouched: the training one differs (left padding, the round's max_pixels), while the
-    # verifier's preprocessing (qwen_vl_utils, then the processor) assumes the shipped settings.
-    AutoProcessor.from_pretrained(config.model_path).save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp)
+        # The base processor, untouched: the training one differs (left padding, the round's max_pixels), while the
+        # verifier's preprocessing (qwen_vl_utils, then the processor) assumes the shipped settings.
+        AutoProcessor.from_pretrained(config.model_path).save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk: give back what the half-written copy took
+        raise
     shutil.rmtree(final, ignore_errors=True)  # a re-run of the same round replaces the old folder
     tmp.rename(final)
     return final
