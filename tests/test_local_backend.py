@@ -22,6 +22,8 @@ from search.settings import load_settings
 from search.study import open_study
 from trainer.config import TrialConfig
 
+from faultkit import alive
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # `python stub.py trainer --config RUN_DIR/trial.json` / `python stub.py evaluator MODEL DATA [...] --out REPORT`;
@@ -117,15 +119,6 @@ def wait_done(handle, timeout: float = 30.0) -> None:
     while not handle.done():
         assert time.monotonic() < until, "the round did not finish"
         time.sleep(0.02)
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting for a reaper."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
 
 
 def test_a_round_trains_then_is_scored_on_ood_and_val(backend, tmp_path, monkeypatch):
