@@ -180,18 +180,26 @@ def _build_demo_box(settings: Settings) -> None:
     import datasets
 
     datasets.disable_progress_bars()  # a few hundred rows: the bars would only bury the search's own lines
-    model = Path(settings.model_path)
-    if not (model / "config.json").is_file():
-        from synthetic.models import build_model
+    from synthetic.teach import TEACH_FILE, Recipe
 
-        print(f"demo: building a tiny Qwen2-VL in {model}", flush=True)
-        _build_into(model, lambda partial: build_model(partial, "tiny", settings.seed))
+    recipe = Recipe()
+    model = Path(settings.model_path)
+    if not (model / TEACH_FILE).is_file():
+        from synthetic.teach import build_counting_model
+
+        # A small Qwen2-VL taught by SFT to answer in the verifier's format and to count roughly (minutes on a CPU):
+        # a base that GRPO can improve, unlike a random model that never writes a parsable answer.
+        print(f"demo: teaching a small Qwen2-VL to count in {model} (a few minutes on a CPU)", flush=True)
+        _build_into(model, lambda partial: build_counting_model(partial, seed=settings.seed, recipe=recipe))
     box = Path(settings.train_path).parent
     if not all(Path(getattr(settings, key)).is_dir() for key in ("train_path", "val_path", "ood_val_path")):
         from synthetic.splits import write_box
 
         print(f"demo: rendering a synthetic box in {box}", flush=True)
-        _build_into(box, lambda partial: write_box(partial, DEMO_SIZES, settings.seed))
+        # The images and counts the model was taught on.
+        _build_into(
+            box, lambda partial: write_box(partial, DEMO_SIZES, settings.seed, recipe.image_size, recipe.count_range)
+        )
 
 
 def _build_into(target: Path, build) -> None:

@@ -2,7 +2,8 @@
 
     python -m synthetic data OUT_DIR [--seed S] [--train N --val N --ood-val N --test N]
                                      [--image-size WxH] [--count-range LO-HI]
-    python -m synthetic model OUT_DIR [--size tiny|small|2b] [--seed S]
+    python -m synthetic model OUT_DIR [--size tiny|small|counting|2b] [--seed S]
+    python -m synthetic teach OUT_DIR [--seed S] [--steps N]    # the SFT-taught counting model (synthetic.teach)
 
 Bad arguments exit with status 2 and a message naming the problem.
 """
@@ -60,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("out_dir", type=Path)
     model.add_argument("--size", default="tiny", help="tiny | small | 2b (synthetic.models.SIZES)")
     model.add_argument("--seed", type=int, default=0)
+
+    teach = commands.add_parser("teach", help="build the counting model taught by SFT (reused when built)")
+    teach.add_argument("out_dir", type=Path)
+    teach.add_argument("--seed", type=int, default=0)
+    teach.add_argument("--steps", type=_positive_int, help="SFT steps (default: synthetic.teach.Recipe's)")
     return parser
 
 
@@ -85,10 +91,17 @@ def _write_model(args: argparse.Namespace) -> None:
     print(build_model(args.out_dir, size=args.size, seed=args.seed))
 
 
+def _write_taught(args: argparse.Namespace) -> None:
+    from synthetic.teach import Recipe, build_counting_model  # imports torch and transformers
+
+    recipe = Recipe() if args.steps is None else Recipe(steps=args.steps)
+    print(build_counting_model(args.out_dir, seed=args.seed, recipe=recipe))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    write = _write_data if args.command == "data" else _write_model
+    write = {"data": _write_data, "model": _write_model, "teach": _write_taught}[args.command]
     try:
         write(args)
     except (ValueError, FileExistsError) as error:  # the writers' argument checks (sizes, size names, folders)

@@ -43,6 +43,8 @@ class ModelSize:
 SIZES: dict[str, ModelSize] = {
     # CPU tests: under a second to build, 40 MB on disk (the 151936-row embedding is most of it).
     "tiny": ModelSize(64, 128, 2, 4, 2, (2, 3, 3), 2, 32, 4, torch.float32),
+    # The taught counting model (synthetic.teach): learns the answer format and rough counting in minutes on a CPU.
+    "counting": ModelSize(128, 512, 2, 4, 2, (4, 6, 6), 2, 64, 4, torch.float32),
     # Learning experiments on one GPU: 44M parameters (39M of them the embedding), head_dim 64.
     "small": ModelSize(256, 1024, 4, 4, 2, (8, 12, 12), 4, 128, 4, torch.float32),
     # The real Qwen2-VL-2B-Instruct architecture (2.2B parameters, 4.4 GB in bfloat16 as shipped).

@@ -191,3 +191,38 @@ def write_box(
         folder: write_split(root / folder, kind, sizes[folder], seed, image_size, count_range)
         for folder, kind in BOX_FOLDERS.items()
     }
+
+
+# ------------------------------------------------------------------------------------------- image controls
+CONTROLS = ("blank", "shuffle")
+
+
+def write_control_split(source: str | Path, out_dir: str | Path, control: str, seed: int = 0) -> Path:
+    """A copy of the split at `source` (a `save_to_disk` folder) whose images carry no information about the count:
+    the same problems and solutions in the same order, with every image replaced by a solid gray one of its size
+    ("blank"), or the images permuted across rows by a seeded permutation ("shuffle").
+
+    A GRPO round on such a split is the control of a learning experiment: any gain it shows does not come from
+    looking at the image."""
+    import random
+
+    from datasets import load_from_disk
+    from PIL import Image as PILImageModule
+
+    if control not in CONTROLS:
+        raise ValueError(f"control must be one of {CONTROLS}, got {control!r}")
+    out_dir = Path(out_dir)
+    _check_free(out_dir)
+    rows = load_from_disk(str(source))
+    if control == "shuffle":
+        order = list(range(len(rows)))
+        random.Random(derive_seed(seed, "shuffle", len(rows))).shuffle(order)
+        images = rows.select(order)["image"]
+    else:
+        images = [PILImageModule.new("RGB", image.size, (128, 128, 128)) for image in rows["image"]]
+    dataset = Dataset.from_dict(
+        {"image": images, "problem": rows["problem"], "solution": rows["solution"]}, features=FEATURES
+    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    dataset.save_to_disk(str(out_dir))
+    return out_dir
