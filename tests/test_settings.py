@@ -55,7 +55,7 @@ def test_demo_budget_has_the_same_keys_and_loads():
     import torch
 
     assert settings.gpus == torch.cuda.device_count()  # gpus: auto
-    assert settings.model_path.endswith("built/demo-model")
+    assert settings.model_path.endswith("built/demo-counting-model")
 
 
 def test_overrides():
