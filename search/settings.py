@@ -144,7 +144,7 @@ def check_box(settings: Settings) -> None:
                 split = load_split(getattr(settings, key))  # the folder and its columns; arrow is mapped, not read
                 validate_solutions(split, getattr(settings, key))  # the solution column alone: no image decoded
             except DataError as exc:
-                raise BoxError(f"{key}: {_one_line(exc)}") from None
+                raise BoxError(f"{key}: {one_line(exc)}") from None
     finally:
         if bars_were_on:
             datasets.enable_progress_bars()
@@ -177,7 +177,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        problem = getattr(exc, "problem", None) or _one_line(exc)
+        problem = getattr(exc, "problem", None) or one_line(exc)
         raise SettingsError(f"budget: malformed YAML at {where}: {problem}") from None
     if not isinstance(data, dict):
         raise SettingsError(f"budget: {path} must hold a mapping of keys, got {type(data).__name__}")
@@ -250,7 +250,7 @@ def _factory(kinds: Mapping[str, type]) -> Callable[[str, Any], dict]:
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 cls(**kwargs)
         except (TypeError, ValueError) as exc:
-            raise SettingsError(f"{key}: {cls.__name__}({kwargs}) fails: {_one_line(exc)}") from None
+            raise SettingsError(f"{key}: {cls.__name__}({kwargs}) fails: {one_line(exc)}") from None
         return dict(value)
 
     return check
@@ -369,7 +369,7 @@ def _check_model_folder(folder: Path) -> None:
     try:
         model_type = json.loads(config.read_text()).get("model_type")
     except (OSError, ValueError, AttributeError) as exc:
-        raise BoxError(f"model_path: {config} is not a readable JSON object: {_one_line(exc)}") from None
+        raise BoxError(f"model_path: {config} is not a readable JSON object: {one_line(exc)}") from None
     if model_type != "qwen2_vl":
         raise BoxError(f"model_path: {folder} is not a Qwen2-VL folder (config.json model_type {model_type!r})")
 
@@ -389,5 +389,6 @@ def _check_writable(key: str, folder: Path, *, must_exist: bool) -> None:
         raise BoxError(f"{key}: {probe} is not writable: {exc.strerror}") from None
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line: every error of the search's CLI is one stderr line."""
     return " ".join(str(exc).split())

@@ -16,7 +16,7 @@ import optuna
 from optuna.storages.journal import JournalFileBackend
 
 from search import space
-from search.settings import PRUNERS, SAMPLERS, Settings
+from search.settings import PRUNERS, SAMPLERS, Settings, one_line
 
 DEADLINE_ATTR = "deadline"  # unix seconds; set once, at creation, and kept by every resumed run
 # How long a study without a deadline is given for its creator (another worker, a moment earlier) to store one.
@@ -42,7 +42,7 @@ def open_storage(storage: str, *, create: bool = True) -> optuna.storages.BaseSt
                 if "already exists" in str(exc) and attempt + 1 < SCHEMA_ATTEMPTS:
                     time.sleep(0.5 * (attempt + 1))
                     continue
-                raise StudyError(f"storage: cannot open {_redact(storage)}: {_one_line(exc)}") from None
+                raise StudyError(f"storage: cannot open {_redact(storage)}: {one_line(exc)}") from None
     path = Path(storage).expanduser()
     if not create and not path.is_file():
         raise StudyError(f"storage: {storage} does not exist")
@@ -175,7 +175,3 @@ def _redact(url: str) -> str:
     scheme, rest = url.split("://", 1)
     credentials, host = rest.rsplit("@", 1)
     return f"{scheme}://{credentials.split(':', 1)[0]}:***@{host}"
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
