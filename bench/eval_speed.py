@@ -1,91 +1,81 @@
-"""How fast the evaluator scores on a GPU, against the inherited self-check's way of generating.
+"""How fast the evaluator scores on a GPU, against the inherited self-check's way of generating (bench/gpu.py runs it).
 
-On a GPU box, with the real Qwen2-VL-2B architecture (random weights: every completion runs to the 256-token cap
-unless an end token happens to come, the worst case) and a synthetic split of 480x320 images, in one run:
+With the real Qwen2-VL-2B architecture (random weights: every completion runs to the 256-token cap unless an end
+token happens to come, the worst case) and a synthetic split of 480x320 images, side by side in one process:
 
 - plain: `model.generate` on batches of 64 in input order, preprocessing inline, dynamic cache (the self-check);
-- evaluator: `generate_completions` on the same rows (length-sorted batches, next batch prepared on a thread),
-  with the dynamic cache and, unless --no-static, with the static cache (first call compiles; the second is timed);
-- end to end: `evaluate()` on N rows, model loading (and compiling) included;
-- preprocessing alone: seconds for one batch's images through process_vision_info and the processor.
-
-    python bench/eval_speed.py [--model DIR] [--cache DIR] [--rows 256] [--plain-rows 128] [--out figures.json]
+- evaluator: `generate_completions` (length-sorted batches, the next batch prepared on a thread, a static KV cache
+  with a compiled decode step) at each batch size; the first call at a size compiles and is timed apart;
+- end to end: `python -m evaluator` in a fresh process on all rows, timed from outside (imports, model load,
+  compilation, generation), once with an empty inductor cache and once with the cache the first run left.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-
-from evaluator.data import load_split  # noqa: E402
-from evaluator.evaluation import evaluate, load_model  # noqa: E402
-from evaluator.generation import build_inputs, generate_completions  # noqa: E402
-from evaluator.protocol import GENERATION_KWARGS  # noqa: E402
+from evaluator.data import load_split
+from evaluator.evaluation import load_model
+from evaluator.generation import build_inputs, generate_completions
+from evaluator.protocol import GENERATION_KWARGS
 
 PLAIN_BATCH_SIZE = 64  # the brief's measured self-check setting
+REPO = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="a Qwen2-VL-2B folder (default: build random weights in --cache)")
-    parser.add_argument("--cache", type=Path, default=Path("~/.cache/count-grpo-bench").expanduser())
-    parser.add_argument("--rows", type=int, default=256, help="rows for the evaluator path and end to end")
-    parser.add_argument("--plain-rows", type=int, default=128, help="rows for the plain path (it is slow)")
-    parser.add_argument("--batch-size", type=int, default=128, help="the evaluator's batch size")
-    parser.add_argument("--no-static", action="store_true", help="skip the static-cache measurements")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("eval_speed: needs a GPU")
-
-    model_dir = args.model or _built_model(args.cache / "qwen2-vl-2b-random")
-    split_dir = _built_split(args.cache / f"split-{args.rows}", args.rows)
-    os.sync()  # a freshly written 4.4 GB model is still being flushed to disk; that slowed the first timings
+def measure(model_dir: Path, split_dir: Path, plain_rows: int, batch_sizes: list[int]) -> dict[str, Any]:
     rows = load_split(split_dir)
     model, processor = load_model(model_dir, "cuda:0")
     generate_completions(model, processor, rows.select(range(8)), batch_size=8, max_new_tokens=8)  # warm-up
-    figures: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "rows": args.rows, "image_size": [480, 320]}
+    figures: dict[str, Any] = {"rows": len(rows)}
 
-    plain_rows = [rows[index] for index in range(min(args.plain_rows, len(rows)))]
-    plain_seconds, plain_texts = _timed(lambda: _plain(model, processor, plain_rows))
-    figures["plain"] = _speed(PLAIN_BATCH_SIZE, len(plain_rows), plain_seconds)
+    plain = [rows[index] for index in range(min(plain_rows, len(rows)))]
+    seconds, _ = _timed(lambda: _plain(model, processor, plain))
+    figures["plain"] = _speed(PLAIN_BATCH_SIZE, len(plain), seconds)
 
-    seconds, completions = _timed(lambda: generate_completions(model, processor, rows, args.batch_size))
-    figures["evaluator"] = _speed(args.batch_size, len(rows), seconds)
-    figures["evaluator"]["mean_completion_tokens"] = sum(c.n_tokens for c in completions) / len(completions)
-    # bf16 greedy over random weights flips on near-ties when the batch changes, so this is a noise floor, not a test.
-    same = sum(a == c.text for a, c in zip(plain_texts, completions))
-    figures["evaluator"]["identical_to_plain"] = same / len(plain_texts)
-    figures["speedup"] = figures["evaluator"]["examples_per_s"] / figures["plain"]["examples_per_s"]
-
-    if not args.no_static:
-        first, _ = _timed(lambda: generate_completions(model, processor, rows, args.batch_size, static_cache=True))
-        seconds, _ = _timed(lambda: generate_completions(model, processor, rows, args.batch_size, static_cache=True))
-        figures["evaluator_static"] = {**_speed(args.batch_size, len(rows), seconds), "first_call_seconds": first}
-        figures["speedup_static"] = figures["evaluator_static"]["examples_per_s"] / figures["plain"]["examples_per_s"]
-
-    batch = [rows[index] for index in range(min(args.batch_size, len(rows)))]
-    figures["preprocess_seconds_per_batch"], _ = _timed(lambda: build_inputs(processor, batch))
-
+    for batch_size in batch_sizes:
+        first, _ = _timed(lambda: generate_completions(model, processor, rows.select(range(batch_size)), batch_size,
+                                                       static_cache=True))  # fmt: skip
+        seconds, completions = _timed(lambda: generate_completions(model, processor, rows, batch_size,
+                                                                   static_cache=True))  # fmt: skip
+        figures[f"evaluator_static_{batch_size}"] = {
+            **_speed(batch_size, len(rows), seconds),
+            "compile_call_seconds": first,
+            "mean_completion_tokens": sum(c.n_tokens for c in completions) / len(completions),
+        }
     del model
     torch.cuda.empty_cache()
-    for name, static in [("end_to_end", False)] + ([] if args.no_static else [("end_to_end_static", True)]):
-        report = evaluate(model_dir, split_dir, batch_size=args.batch_size, devices=["cuda:0"], static_cache=static)
-        figures[name] = {key: report[key] for key in ("n", "seconds", "examples_per_s", "mean_completion_tokens")}
 
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    best = max(batch_sizes, key=lambda size: figures[f"evaluator_static_{size}"]["examples_per_s"])
+    figures["best_batch_size"] = best
+    figures["speedup"] = figures[f"evaluator_static_{best}"]["examples_per_s"] / figures["plain"]["examples_per_s"]
+    with tempfile.TemporaryDirectory() as inductor_cache:
+        for name in ("end_to_end_cold", "end_to_end_warm"):
+            figures[name] = _end_to_end(model_dir, split_dir, best, inductor_cache)
+    return figures
+
+
+def _end_to_end(model_dir: Path, split_dir: Path, batch_size: int, inductor_cache: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as scratch:
+        report_path = Path(scratch) / "report.json"
+        command = [sys.executable, "-m", "evaluator", str(model_dir), str(split_dir), "--batch-size", str(batch_size),
+                   "--out", str(report_path)]  # fmt: skip
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
+        start = time.perf_counter()
+        subprocess.run(command, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+        seconds = time.perf_counter() - start
+        report = json.loads(report_path.read_text())
+    return {"n": report["n"], "seconds": seconds, "examples_per_s": report["n"] / seconds,
+            "static_cache": report["static_cache"], "inside_seconds": report["seconds"]}  # fmt: skip
 
 
 def _plain(model: Any, processor: Any, rows: list[dict[str, Any]]) -> list[str]:
@@ -110,23 +100,3 @@ def _timed(work: Any) -> tuple[float, Any]:
 
 def _speed(batch_size: int, n: int, seconds: float) -> dict[str, float]:
     return {"batch_size": batch_size, "n": n, "seconds": seconds, "examples_per_s": n / seconds}
-
-
-def _built_model(folder: Path) -> Path:
-    if not (folder / "config.json").exists():
-        from synthetic.models import build_model
-
-        build_model(folder, size="2b")
-    return folder
-
-
-def _built_split(folder: Path, rows: int) -> Path:
-    if not folder.exists():
-        from synthetic.splits import write_split
-
-        write_split(folder, "other", rows, seed=0, image_size=(480, 320))
-    return folder
-
-
-if __name__ == "__main__":
-    main()

@@ -1,18 +1,18 @@
 """GRPO completions/s on a GPU: this project's round (trainer.run_round) against TRL's defaults, full fine-tuning and
-LoRA, the same group size, in one run.
+LoRA, the same group size, side by side in one process (bench/gpu.py runs it).
 
-    python bench/grpo_speed.py --model built/qwen2vl-2b --out bench/results/grpo.json
-
-The model is the random-weight Qwen2-VL-2B (built with `synthetic.models.build_model(size="2b")` when --model does
-not exist): with random weights every completion runs to the token cap, the worst case. TRL's defaults: the same
-model, data, rewards, group size and completion cap, everything else GRPOConfig's defaults (one generation per
-optimizer step, rollouts through the unmerged peft model for LoRA). Steady-state seconds per step are measured
-between step ends, after the first generation, so model loading and warm-up are left out.
+The model is the random-weight Qwen2-VL-2B: with random weights every completion runs to the token cap, the worst
+case. TRL's defaults: the same model, data, rewards, group size, prompts per step and completion cap, everything else
+GRPOConfig's defaults (one generation per optimizer step, rollouts through the training model: float32 weights for
+full fine-tuning, the unmerged peft model for LoRA; no compilation). Ours: the trainer as the search runs it
+(`generation_steps` optimizer steps generated at once, from the bf16 rollout replica with a compiled decode step).
+Both optimize the same loss on one prompt's group per optimizer step. Steady-state seconds per step are measured
+between step ends after the first generation, so model loading, warm-up and compilation are left out (they are
+reported: `timings.setup`, and the first generation's seconds).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
@@ -22,7 +22,6 @@ import torch
 from transformers import AutoProcessor, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from synthetic.models import build_model
 from synthetic.splits import write_split
 from trainer.config import TrialConfig
 from trainer.data import build_train_dataset
@@ -102,6 +101,7 @@ def ours(config: TrialConfig) -> dict:
     ends = [line["seconds"] for line in lines]
     seconds = steady_seconds_per_step(ends, skip=config.generation_steps)
     return {
+        "first_generation_done_at_s": ends[config.generation_steps - 1],  # since the round began: setup + compile
         "state": result.state,
         "steps": result.steps_done,
         "s_per_step": seconds,
@@ -111,50 +111,28 @@ def ours(config: TrialConfig) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="built/qwen2vl-2b")
-    parser.add_argument("--work", default="/tmp/grpo-bench")
-    parser.add_argument("--steps", type=int, default=8, help="steps of this project's rounds")
-    parser.add_argument("--trl-steps", type=int, default=4, help="steps of the TRL-defaults rounds")
-    parser.add_argument("--generation-steps", type=int, default=4)
-    parser.add_argument("--modes", default="full,lora")
-    parser.add_argument("--size", default="2b", help="model size built when --model does not exist")
-    parser.add_argument("--max-completion-length", type=int, default=256)
-    parser.add_argument("--out")
-    options = parser.parse_args()
-    work = Path(options.work)
-    model = Path(options.model)
-    if not (model / "config.json").exists():
-        build_model(model, size=options.size, seed=0)
+def measure(model: Path, work: Path, modes: list[str], steps: int, trl_steps: int, generation_steps: int,
+            max_completion_length: int = 256) -> dict:
     train = work / "train"
     if not train.exists():
         write_split(train, "train", 64, seed=0)
-    figures: dict = {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "versions": {m.__name__: m.__version__ for m in (torch, __import__("transformers"), __import__("trl"), __import__("peft"))},
-    }
-    for mode in options.modes.split(","):
+    figures: dict = {}
+    for mode in modes:
         base = dict(
             model_path=str(model),
             train_path=str(train),
             reward_weights={"accuracy": 1.0, "answer_format": 0.5},
             num_generations=8,
             prompts_per_step=1,
-            max_completion_length=options.max_completion_length,
+            max_completion_length=max_completion_length,
             lora_rank=64 if mode == "lora" else 0,
             learning_rate=1e-5 if mode == "lora" else 1e-6,
         )
-        default = trl_defaults(TrialConfig(output_dir=str(work / f"trl-{mode}"), **base), options.trl_steps)
+        default = trl_defaults(TrialConfig(output_dir=str(work / f"trl-{mode}"), **base), trl_steps)
         print(mode, "trl defaults", default, flush=True)
-        project = ours(
-            TrialConfig(
-                output_dir=str(work / f"ours-{mode}"),
-                steps=options.steps,
-                generation_steps=options.generation_steps,
-                **base,
-            )
-        )
+        config = TrialConfig(output_dir=str(work / f"ours-{mode}"), steps=steps, generation_steps=generation_steps,
+                             **base)  # fmt: skip
+        project = ours(config)
         print(mode, "ours", project, flush=True)
         figures[mode] = {
             "trl_defaults": default,
@@ -163,10 +141,4 @@ def main() -> None:
         }
     if "full" in figures and "lora" in figures:
         figures["lora_vs_full"] = figures["lora"]["ours"]["completions_per_s"] / figures["full"]["ours"]["completions_per_s"]
-    print(json.dumps(figures, indent=2))
-    if options.out:
-        Path(options.out).write_text(json.dumps(figures, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return figures

@@ -43,7 +43,7 @@ def evaluate(
     batch_size: int | None = None,
     devices: list[str] | None = None,
     num_samples: int = 5,
-    static_cache: bool = False,
+    static_cache: bool = True,
     max_new_tokens: int = GENERATION_KWARGS["max_new_tokens"],
 ) -> dict[str, Any]:
     """The report of `model_dir` on the split folder `data` (see `report.build_report` for the scores).

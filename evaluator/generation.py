@@ -143,10 +143,10 @@ def _generate(model: Any, inputs: Any, kwargs: dict[str, Any]) -> torch.Tensor:
 
 def _decode(processor: Any, new_tokens: torch.Tensor, eos_token_id: int | list[int] | None) -> list[Completion]:
     texts = processor.batch_decode(new_tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    return [Completion(text, count) for text, count in zip(texts, _tokens_until_eos(new_tokens, eos_token_id))]
+    return [Completion(text, count) for text, count in zip(texts, tokens_until_eos(new_tokens, eos_token_id))]
 
 
-def _tokens_until_eos(new_tokens: torch.Tensor, eos_token_id: int | list[int] | None) -> list[int]:
+def tokens_until_eos(new_tokens: torch.Tensor, eos_token_id: int | list[int] | None) -> list[int]:
     """Generated tokens up to and including the first end-of-sequence token; the padding after it is not counted."""
     length = new_tokens.shape[1]
     if eos_token_id is None:

@@ -33,8 +33,9 @@ from trainer.config import TrialConfig
 # H200 priors (the brief's measurements on the real 2B architecture, 256-token completions):
 # full fine-tuning 8.6 s per 8-completion step, 94% of it generation -> ~30 ms per decode step; 32 and 64
 # completions per generation (2.8 s per step, 4.7 completions/s) fit ~0.35 ms per token on top. LoRA r=64 took
-# 16.4 s (~60 ms per decode step) with TRL's unmerged adapters; the trainer merges them for generation
-# (trainer/lora_generation.py, "about twice as fast"), so LoRA's prior is the full rate plus the merging.
+# 16.4 s (~60 ms per decode step) with TRL's unmerged adapters; the trainer samples from a merged bf16 replica
+# (trainer/rollout.py), so LoRA's prior is the full rate plus the merging. Pessimistic since the replica's compiled
+# decode step (bench/results): the first finished round refits them.
 DECODE_FULL_S = 0.030
 DECODE_LORA_S = 0.035
 TOKEN_S = 0.00035

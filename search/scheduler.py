@@ -19,6 +19,7 @@ import contextlib
 import math
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -317,12 +318,15 @@ class Scheduler:
             self.on_round_end(self.study.get_trials(deepcopy=False)[r.trial.number], outcome)
 
     def _promote(self, trial: optuna.Trial, outcome: RoundOutcome) -> None:
+        began = time.monotonic()  # real seconds (not the clock's): what the check and copy cost, for the overhead
         try:
             promoted = self.promote(outcome, trial)
         except Exception as error:  # a failed promotion keeps the previous submission; the search goes on
             trial.set_user_attr("promotion_error", f"{type(error).__name__}: {error}")
             self._say(self.clock.now(), f"round {trial.number} not promoted: {error}")
             return
+        finally:
+            trial.set_user_attr("promotion_s", round(time.monotonic() - began, 1))
         trial.set_user_attr("promoted", bool(promoted))
         if promoted:
             self._best = (outcome.ood_accuracy, trial.number)

@@ -6,6 +6,7 @@ hand-written completions (`build_report`) and the end-to-end runs on consistency
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from evaluator import evaluate
 from evaluator.__main__ import main
 from evaluator.data import load_split, validate_solutions
 from evaluator.evaluation import load_model
-from evaluator.generation import Completion, _tokens_until_eos, build_inputs, generate_completions
+from evaluator.generation import Completion, build_inputs, generate_completions, tokens_until_eos
 from evaluator.protocol import EVAL_TEMPLATE, extract_answer
 from evaluator.report import build_report
 from synthetic.splits import iter_scenes
@@ -100,7 +101,15 @@ def test_prompt_tokens_are_the_verifiers(processor: Any, rows: list[dict[str, An
         assert decoded.endswith(f"<|vision_end|>{rendered}<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_batched_completions_equal_one_row_at_a_time(lively_model: Any, processor: Any, rows: list) -> None:
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+# On a GPU (the device machine runs it) the static cache really compiles the decode step; on a CPU it is only used.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_batched_completions_equal_one_row_at_a_time(
+    lively_model: Any, processor: Any, rows: list, device: str
+) -> None:
+    lively_model = copy.deepcopy(lively_model).to(device)
     alone = [generate_completions(lively_model, processor, [row], 1, SHORT)[0] for row in rows]
     assert len({completion.text for completion in alone}) > 1, "the model must answer differently to some rows"
     assert {completion.n_tokens < SHORT for completion in alone} == {True, False}, "some rows must end early"
@@ -113,8 +122,8 @@ def test_batched_completions_equal_one_row_at_a_time(lively_model: Any, processo
 def test_completion_tokens_count_up_to_the_first_end_of_sequence() -> None:
     im_end, end_of_text = 151645, 151643  # Qwen2-VL's end-of-sequence ids; end_of_text also pads finished rows
     new_tokens = torch.tensor([[5, im_end, end_of_text, end_of_text], [5, 6, 7, 8], [end_of_text, 9, 9, 9]])
-    assert _tokens_until_eos(new_tokens, [im_end, end_of_text]) == [2, 4, 1]
-    assert _tokens_until_eos(new_tokens, im_end) == [2, 4, 4]
+    assert tokens_until_eos(new_tokens, [im_end, end_of_text]) == [2, 4, 1]
+    assert tokens_until_eos(new_tokens, im_end) == [2, 4, 4]
 
 
 def test_report_scores_with_the_verifiers_rules() -> None:

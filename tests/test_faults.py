@@ -312,7 +312,7 @@ def test_a_real_round_that_runs_out_of_memory_or_disk_fails_with_its_reason(tmp_
         def train(self, *args, **kwargs):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-        monkeypatch.setattr(round_module.MergedLoraGRPOTrainer, "train", train)
+        monkeypatch.setattr(round_module.ReplicaGRPOTrainer, "train", train)
         expected = "out of memory: OutOfMemoryError: CUDA out of memory"
     else:
         def save_pretrained(self, folder, *args, **kwargs):

@@ -174,37 +174,57 @@ def test_training_images_are_the_verifiers_pixels(tmp_path, tiny_model_dir):
     assert torch.equal(training["pixel_values"], verifier["pixel_values"])
 
 
-# ------------------------------------------------------------------------------------------- merged LoRA generation
-def test_merged_lora_generation_matches_peft_and_restores_base_exactly(tiny_model_dir):
-    from peft import LoraConfig, get_peft_model
+# ------------------------------------------------------------------------------------------- rollout replica
+def test_replica_synced_from_a_fully_fine_tuned_policy_computes_what_it_computes(tiny_model_dir):
     from transformers import Qwen2VLForConditionalGeneration
 
-    from trainer.lora_generation import lora_layers, merged_lora
+    from trainer.rollout import RolloutReplica
+
+    policy = Qwen2VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    policy.model.visual.requires_grad_(False)  # as trainer.round trains it
+    with torch.no_grad():  # a training step's worth of change in every trainable weight
+        for parameter in policy.parameters():
+            if parameter.requires_grad:
+                parameter.add_(0.05 * torch.randn_like(parameter))
+    replica = RolloutReplica(tiny_model_dir, torch.float32, torch.device("cpu"))
+    ids = torch.randint(0, 3000, (2, 12))
+    with torch.no_grad():
+        stale = replica.model(input_ids=ids).logits
+        replica.sync_from(policy)
+        synced = replica.model(input_ids=ids).logits
+        expected = policy(input_ids=ids).logits
+    assert not torch.allclose(stale, expected, atol=1e-3)  # the change matters, so the sync is what makes them equal
+    assert torch.equal(synced, expected)
+    storage = [p.data_ptr() for p in replica.model.parameters()]
+    replica.sync_from(policy)
+    assert [p.data_ptr() for p in replica.model.parameters()] == storage  # in place: a compiled step stays valid
+
+
+def test_replica_synced_from_a_lora_policy_holds_the_merged_weights_and_leaves_the_base_alone(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from trainer.rollout import RolloutReplica
 
     model = Qwen2VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32)
     # init_lora_weights=False: a random, non-zero B, so the adapter really changes the logits.
     config = LoraConfig(r=4, lora_alpha=8, target_modules=r"^(?:.*\.)?language_model\.(?:.*\.)?(?:q_proj|down_proj)$",
                         init_lora_weights=False)  # fmt: skip
-    peft_model = get_peft_model(model, config)
-    layers = lora_layers(peft_model)
-    assert layers and all("language_model" in name for name, m in peft_model.named_modules() if m in layers)
-    base = [(layer.get_base_layer().weight, layer.get_base_layer().weight.data.clone()) for layer in layers]
-    storage = [weight.data.data_ptr() for weight, _ in base]
+    policy = get_peft_model(model, config).eval()
+    layers = [m for m in policy.modules() if isinstance(m, LoraLayer)]
+    base = [(layer.get_base_layer().weight, layer.get_base_layer().weight.detach().clone()) for layer in layers]
+    replica = RolloutReplica(tiny_model_dir, torch.float32, torch.device("cpu"))
     ids = torch.randint(0, 3000, (2, 12))
     with torch.no_grad():
-        with peft_model.disable_adapter():
-            plain = peft_model(input_ids=ids).logits
-        adapted = peft_model(input_ids=ids).logits
-        with merged_lora(peft_model):
-            assert all(layer.merged for layer in layers)
-            merged = peft_model(input_ids=ids).logits
-        after = peft_model(input_ids=ids).logits
+        plain = replica.model(input_ids=ids).logits
+        replica.sync_from(policy)
+        merged = replica.model(input_ids=ids).logits
+        adapted = policy(input_ids=ids).logits
     assert not torch.allclose(plain, adapted, atol=1e-4)  # the adapter matters
     torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(weight, original) for weight, original in base)  # the policy's base is untouched
     assert not any(layer.merged for layer in layers)
-    assert all(torch.equal(weight.data, original) for weight, original in base)  # bit-identical
-    assert [weight.data.data_ptr() for weight, _ in base] == storage  # the very same tensors
-    assert torch.equal(after, adapted)
 
 
 # ------------------------------------------------------------------------------------------- rounds

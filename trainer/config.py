@@ -80,6 +80,11 @@ class TrialConfig:
         "eval",
     )
     gradient_checkpointing: bool = _help("Recompute activations in the backward pass to save memory.", True)
+    compile_rollouts: bool = _help(
+        "Sample rollouts with a static KV cache and a compiled decode step (GPU only; ignored on CPU). The first "
+        "generation of a round compiles (about a minute; later rounds reuse inductor's on-disk cache).",
+        True,
+    )
 
     # --- LoRA ---
     lora_rank: int = _help("LoRA rank on the language model's projections; 0 means full fine-tuning.", 64)
@@ -122,8 +127,9 @@ class TrialConfig:
         _int_range("max_completion_length", self.max_completion_length, 8, 2048)
         _int_range("max_pixels", self.max_pixels, MIN_PIXELS, MAX_PIXELS)
         _choice("phrasing", self.phrasing, PHRASINGS)
-        if not isinstance(self.gradient_checkpointing, bool):
-            raise ConfigError("gradient_checkpointing", f"must be true or false, got {self.gradient_checkpointing!r}")
+        for name in ("gradient_checkpointing", "compile_rollouts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         _int_range("lora_rank", self.lora_rank, 0, 1024)
         if self.lora_alpha is not None:
             _num_range("lora_alpha", self.lora_alpha, 0.0, 1e6, low_open=True)

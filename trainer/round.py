@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,9 +41,9 @@ from evaluator.protocol import extract_answer, parse_gold
 from trainer.config import ConfigError, TrialConfig
 from trainer.data import build_ood_subset, build_train_dataset
 from trainer.layout import BatchLayout, batch_layout
-from trainer.lora_generation import MergedLoraGRPOTrainer, merged_lora
 from trainer.progress import FORMAT_RATE, PROGRESS_FILE, ProgressCallback, StopRequest, format_rate
 from trainer.rewards import build_reward_funcs
+from trainer.rollout import ReplicaGRPOTrainer, RolloutReplica
 from trainer.status import (
     STATUS_FILE,
     describe_exception,
@@ -132,7 +131,7 @@ def _clear_previous_outputs(out: Path) -> None:
 # ---------------------------------------------------------------------------------------------------- building
 def _build_trainer(
     config: TrialConfig, layout: BatchLayout, start: float, stop: StopRequest, device: torch.device
-) -> tuple[MergedLoraGRPOTrainer, ProgressCallback]:
+) -> tuple[ReplicaGRPOTrainer, ProgressCallback]:
     on_gpu = device.type == "cuda"
     reward_funcs, reward_weights = build_reward_funcs(config)
     train_dataset = build_train_dataset(config)
@@ -156,7 +155,9 @@ def _build_trainer(
         stop=stop,
         eval_every=config.eval_every if ood_rows is not None else 0,
     )
-    trainer = MergedLoraGRPOTrainer(
+    # The base checkpoint's dtype on GPU (bfloat16 for Qwen2-VL-2B) for the replica the rollouts are sampled from.
+    replica = RolloutReplica(config.model_path, torch.bfloat16 if on_gpu else torch.float32, device)
+    trainer = ReplicaGRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,  # with `format_rate` at weight 0: a logged diagnostic, see trainer.progress
         args=args,
@@ -164,15 +165,12 @@ def _build_trainer(
         processing_class=processor,
         callbacks=[progress],
         peft_config=_lora_config(config),
+        replica=replica,
+        compile_rollouts=config.compile_rollouts and on_gpu,
     )
     if ood_rows is not None:
         # The verifier's own preprocessing: the base processor, not the training one with its max_pixels.
-        progress.evaluate = _ood_evaluator(
-            trainer,
-            AutoProcessor.from_pretrained(config.model_path),
-            GenerationConfig.from_pretrained(config.model_path),
-            ood_rows,
-        )
+        progress.evaluate = _ood_evaluator(trainer, AutoProcessor.from_pretrained(config.model_path), ood_rows)
     progress.bind(trainer.accelerator)
     return trainer, progress
 
@@ -263,24 +261,15 @@ def _grpo_config(config: TrialConfig, layout: BatchLayout, reward_weights: list[
     )
 
 
-def _ood_evaluator(trainer: MergedLoraGRPOTrainer, processor: Any, generation_config: GenerationConfig, rows: Any):
-    """Greedy accuracy of the current policy on the OOD subset, prompted and decoded exactly as the verifier does:
-    the base processor and the base generation config (the Trainer rewrote the live one's end-of-sequence ids)."""
+def _ood_evaluator(trainer: ReplicaGRPOTrainer, processor: Any, rows: Any):
+    """Greedy accuracy of the current policy on the OOD subset, prompted and decoded exactly as the verifier does: on
+    the rollout replica, freshly synced, whose generation config is the base checkpoint's (the Trainer rewrote the
+    policy's end-of-sequence ids). The dynamic cache: a static one would compile again for this batch size."""
     golds = [parse_gold(solution) for solution in rows["solution"]]
 
     def evaluate() -> dict[str, float]:
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        target = model.get_base_model() if isinstance(model, PeftModel) else model
-        was_training, live_generation_config = model.training, target.generation_config
-        model.eval()
-        target.generation_config = generation_config
-        try:
-            # With LoRA: the adapter merged in (the policy being trained), as in the rollouts.
-            with merged_lora(model) if isinstance(model, PeftModel) else nullcontext():
-                completions = generate_completions(target, processor, rows, batch_size=EVAL_BATCH_SIZE)
-        finally:
-            target.generation_config = live_generation_config
-            model.train(was_training)
+        trainer.replica.sync_from(trainer.accelerator.unwrap_model(trainer.model))
+        completions = generate_completions(trainer.replica.model, processor, rows, batch_size=EVAL_BATCH_SIZE)
         answers = [extract_answer(completion.text) for completion in completions]
         correct = sum(answer is not None and answer == gold for answer, gold in zip(answers, golds, strict=True))
         return {
@@ -292,7 +281,7 @@ def _ood_evaluator(trainer: MergedLoraGRPOTrainer, processor: Any, generation_co
 
 
 # ---------------------------------------------------------------------------------------------------- saving
-def save_merged(trainer: MergedLoraGRPOTrainer, config: TrialConfig) -> Path:
+def save_merged(trainer: ReplicaGRPOTrainer, config: TrialConfig) -> Path:
     """The trained model with LoRA merged, in the base checkpoint's dtype, plus the base processor and generation
     config, written to `output_dir/merged` through a temporary sibling and a rename."""
     out = Path(config.output_dir)

@@ -1,0 +1,226 @@
+"""The GPU benchmarks of the performance issue, on the random-weight Qwen2-VL-2B (256-token worst case), written to
+one results file with the headline ratios:
+
+    python bench/gpu.py --sections eval,grpo,search --out bench/results/$(date +%F)-h200.json
+
+- eval (bench/eval_speed.py): the evaluator's examples/s against plain batch-64 `generate` (`eval_speedup`) and
+  1,000 examples end to end in a fresh process (`eval_1k_seconds`, with a warm inductor cache, as in every
+  evaluation of a search after its first; the cold figure is in the raw figures);
+- grpo (bench/grpo_speed.py): completions/s of this project's trainer against TRL's defaults, full fine-tuning and
+  LoRA r=64, group size 8 (`grpo_full_speedup`, `lora_vs_full`), peak memory of each;
+- search: `run_search.py` for --search-minutes of real rounds on a synthetic 480x320 box, and from its study the
+  seconds each round spent outside training and evaluation: start-up (launch to first step), merge and save,
+  promotion (`overhead_fraction`: those seconds over a 30-minute round).
+
+A section given again replaces its figures in --out; the others are kept, so the sections may run in separate
+calls of a time-limited machine. Each section records the GPU and versions it ran with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+SECTIONS = ("eval", "grpo", "search")
+ROUND_SECONDS = 30 * 60  # the issue's reference round
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {SECTIONS}")
+    parser.add_argument("--work", type=Path, default=ROOT / "built" / "bench", help="models, data and runs")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--eval-rows", type=int, default=1000)
+    parser.add_argument("--plain-rows", type=int, default=128, help="rows for plain generate (it is slow)")
+    parser.add_argument("--eval-batch-sizes", default="256,512")
+    parser.add_argument("--grpo-modes", default="full,lora")
+    parser.add_argument("--grpo-steps", type=int, default=16, help="steps of this project's rounds")
+    parser.add_argument("--grpo-generation-steps", type=int, default=8)
+    parser.add_argument("--trl-steps", type=int, default=4, help="steps of the TRL-defaults rounds")
+    parser.add_argument("--search-minutes", type=float, default=8.0)
+    args = parser.parse_args(argv)
+    sections = args.sections.split(",")
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown section {unknown[0]!r}; known: {', '.join(SECTIONS)}")
+    if not torch.cuda.is_available():
+        parser.error("needs a GPU")
+
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    model = _model(args.work / "qwen2vl-2b")
+    for section in sections:
+        began = time.perf_counter()
+        if section == "eval":
+            from bench import eval_speed
+
+            split = _split(args.work / f"other-{args.eval_rows}", args.eval_rows)
+            sizes = [int(size) for size in args.eval_batch_sizes.split(",")]
+            figures = eval_speed.measure(model, split, args.plain_rows, sizes)
+        elif section == "grpo":
+            from bench import grpo_speed
+
+            figures = grpo_speed.measure(model, args.work / "grpo", args.grpo_modes.split(","), args.grpo_steps,
+                                         args.trl_steps, args.grpo_generation_steps)  # fmt: skip
+        else:
+            figures = search_overhead(model, args.work / "search", args.search_minutes)
+        figures["machine"] = _machine()
+        figures["section_seconds"] = time.perf_counter() - began
+        results[section] = figures
+        results.update(_headline(results))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")  # after every section: a later one may time out
+        print(json.dumps({section: figures}, indent=2), flush=True)
+    return 0
+
+
+def _headline(results: dict[str, Any]) -> dict[str, Any]:
+    headline: dict[str, Any] = {}
+    if "eval" in results:
+        headline["eval_speedup"] = results["eval"]["speedup"]
+        headline["eval_1k_seconds"] = results["eval"]["end_to_end_warm"]["seconds"] * 1000 / results["eval"]["rows"]
+    if "grpo" in results:
+        if "full" in results["grpo"]:
+            headline["grpo_full_speedup"] = results["grpo"]["full"]["speedup"]
+        if "lora_vs_full" in results["grpo"]:
+            headline["lora_vs_full"] = results["grpo"]["lora_vs_full"]
+    if "overhead_fraction" in results.get("search", {}):
+        headline["overhead_fraction"] = results["search"]["overhead_fraction"]
+    return headline
+
+
+# ---------------------------------------------------------------------------------------------------- search
+def search_overhead(model: Path, work: Path, minutes: float) -> dict[str, Any]:
+    """A real search on the 2B model for `minutes`, and what its rounds spent outside training and evaluation."""
+    from synthetic.splits import write_box
+
+    box = work / "box"
+    if not (box / "ood_val").exists():
+        write_box(box, {"train": 256, "val": 64, "ood_val": 256, "test_compositional": 8, "test_other": 8})
+    budget = _bench_budget(model, box, work, minutes)
+    began = time.perf_counter()
+    run = subprocess.run([sys.executable, str(ROOT / "run_search.py"), "--budget", str(budget)], cwd=work,
+                         capture_output=True, text=True)  # fmt: skip
+    wall = time.perf_counter() - began
+    (work / "search.log").write_text(run.stdout + run.stderr)
+    print(run.stdout[-4000:], run.stderr[-4000:], sep="\n", flush=True)
+
+    from search.settings import load_settings
+    from search.study import load_existing_study
+
+    study = load_existing_study(load_settings(budget))
+    rounds = []
+    for trial in study.get_trials(deepcopy=False):
+        attrs = trial.user_attrs
+        timings = attrs.get("timings", {})
+        rounds.append({
+            "number": trial.number,
+            "state": attrs.get("state"),
+            "steps_done": attrs.get("steps_done"),
+            "duration_s": attrs.get("duration_s"),
+            "timings": timings,
+            "promotion_s": attrs.get("promotion_s", 0.0),
+            "ood_accuracy": trial.value,
+        })  # fmt: skip
+    # Outside training and evaluation: launch to first step (imports, loading; the compile of the first rollout is
+    # in training), merge and save, promotion. Only rounds that ran every part count.
+    whole = [r for r in rounds if all(key in r["timings"] for key in ("setup", "train", "save", "eval"))]
+    overhead = [r["timings"]["setup"] + r["timings"]["save"] + r["promotion_s"] for r in whole]
+    figures: dict[str, Any] = {
+        "minutes": minutes,
+        "exit_code": run.returncode,
+        "wall_seconds": wall,
+        "rounds": rounds,
+        "submission": json.loads((work / "submission" / "PROMOTED.json").read_text())
+        if (work / "submission" / "PROMOTED.json").exists()
+        else None,
+    }
+    if whole:
+        mean_overhead = sum(overhead) / len(overhead)
+        figures["overhead_seconds_per_round"] = mean_overhead
+        figures["overhead_fraction"] = mean_overhead / ROUND_SECONDS
+        measured = sum(r["duration_s"] for r in whole)
+        figures["overhead_share_of_these_rounds"] = sum(overhead) / measured
+    return figures
+
+
+def _bench_budget(model: Path, box: Path, work: Path, minutes: float) -> Path:
+    """budget.yaml with the box's paths, a short budget and short rounds."""
+    budget = yaml.safe_load((ROOT / "budget.yaml").read_text())
+    budget.update(
+        hours=minutes / 60,
+        reserve_minutes=1,
+        round_min_minutes=1.5,
+        round_max_minutes=5,
+        hang_minutes=5,
+        # The priors are the box's pessimistic guess (search/duration.py); at 0.5 no 2B round fitted 4 minutes.
+        duration_prior_scale=0.2,
+        gpus="auto",
+        model_path=str(model),
+        train_path=str(box / "train"),
+        val_path=str(box / "val"),
+        ood_val_path=str(box / "ood_val"),
+        submission_path=str(work / "submission"),
+        runs_dir=str(work / "runs"),
+        study_name="bench-2b",
+        storage=str(work / "study.db"),
+        prune_rows=32,
+        prune_every=10,
+        val_rows=32,
+        eval_batch_size=None,
+        min_format_rate=0,  # random weights never answer in the format
+        keep_rounds=1,
+    )
+    budget["space"]["steps"] = {"low": 10, "high": 40, "step": 10}
+    for recipe in budget["warm_starts"]:
+        recipe["params"]["steps"] = 20
+    path = work / "budget.yaml"
+    work.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(budget, sort_keys=False))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- pieces
+def _model(folder: Path) -> Path:
+    if not (folder / "config.json").exists():
+        from synthetic.models import build_model
+
+        build_model(folder, size="2b", seed=0)
+        os.sync()  # a freshly written 4.4 GB model is still being flushed to disk; that slowed the first timings
+    return folder
+
+
+def _split(folder: Path, rows: int) -> Path:
+    if not folder.exists():
+        from synthetic.splits import write_split
+
+        write_split(folder, "other", rows, seed=0, image_size=(480, 320))
+    return folder
+
+
+def _machine() -> dict[str, Any]:
+    import peft
+    import transformers
+    import trl
+
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "versions": {m.__name__: m.__version__ for m in (torch, transformers, trl, peft)},
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
