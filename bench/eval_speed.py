@@ -100,3 +100,33 @@ def _timed(work: Any) -> tuple[float, Any]:
 
 def _speed(batch_size: int, n: int, seconds: float) -> dict[str, float]:
     return {"batch_size": batch_size, "n": n, "seconds": seconds, "examples_per_s": n / seconds}
+
+
+def decode_profile(model_dir: Path, split_dir: Path, batch_size: int, new_tokens: int = 32) -> dict[str, Any]:
+    """Where a compiled static-cache decode step's time goes at `batch_size`: the CUDA time per decode step, and the
+    top operators by CUDA time over one batch of `new_tokens` steps, after a warm-up call that compiles."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = load_split(split_dir).select(range(batch_size))
+    model, processor = load_model(model_dir, "cuda:0")
+    generate_completions(model, processor, rows, batch_size, max_new_tokens=new_tokens, static_cache=True)
+    wall, _ = _timed(lambda: generate_completions(model, processor, rows, batch_size, max_new_tokens=new_tokens,
+                                                  static_cache=True))  # fmt: skip
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        generate_completions(model, processor, rows, batch_size, max_new_tokens=new_tokens, static_cache=True)
+    torch.cuda.synchronize()
+    events = prof.key_averages()
+    cuda_total = sum(e.self_device_time_total for e in events) / 1e6
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:15]
+    del model
+    torch.cuda.empty_cache()
+    return {
+        "batch_size": batch_size,
+        "new_tokens": new_tokens,
+        "wall_ms_per_token": 1000 * wall / new_tokens,
+        "gpu_busy_ms_per_token": 1000 * cuda_total / new_tokens,
+        "top_gpu_ops": [
+            {"name": e.key[:80], "ms_per_token": e.self_device_time_total / 1e3 / new_tokens, "calls": e.count}
+            for e in top
+        ],
+    }

@@ -8,6 +8,8 @@ one results file with the headline ratios:
   evaluation of a search after its first; the cold figure is in the raw figures);
 - grpo (bench/grpo_speed.py): completions/s of this project's trainer against TRL's defaults, full fine-tuning and
   LoRA r=64, group size 8 (`grpo_full_speedup`, `lora_vs_full`), peak memory of each;
+- profile (bench/grpo_profile.py): where full fine-tuning's step goes (rollout, old log-probs, forward, backward,
+  optimizer), for the round as run and with one lever changed at a time;
 - search: `run_search.py` for --search-minutes of real rounds on a synthetic 480x320 box, and from its study the
   seconds each round spent outside training and evaluation: start-up (launch to first step), merge and save,
   promotion (`overhead_fraction`: those seconds over a 30-minute round).
@@ -34,7 +36,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-SECTIONS = ("eval", "grpo", "search")
+SECTIONS = ("eval", "grpo", "profile", "search")
 ROUND_SECONDS = 30 * 60  # the reference round
 
 
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpo-modes", default="full,lora")
     parser.add_argument("--grpo-steps", type=int, default=16, help="steps of this project's rounds")
     parser.add_argument("--grpo-generation-steps", type=int, default=8)
+    parser.add_argument("--profile-variants",
+                        default="as_run,no_gradient_checkpointing,lora_as_run,lora_gradient_checkpointing")
     parser.add_argument("--trl-steps", type=int, default=4, help="steps of the TRL-defaults rounds")
     parser.add_argument("--search-minutes", type=float, default=8.0)
     args = parser.parse_args(argv)
@@ -69,11 +73,17 @@ def main(argv: list[str] | None = None) -> int:
             split = _split(args.work / f"other-{args.eval_rows}", args.eval_rows)
             sizes = [int(size) for size in args.eval_batch_sizes.split(",")]
             figures = eval_speed.measure(model, split, args.plain_rows, sizes)
+            figures["decode_profile"] = eval_speed.decode_profile(model, split, figures["best_batch_size"])
         elif section == "grpo":
             from bench import grpo_speed
 
             figures = grpo_speed.measure(model, args.work / "grpo", args.grpo_modes.split(","), args.grpo_steps,
                                          args.trl_steps, args.grpo_generation_steps)  # fmt: skip
+        elif section == "profile":
+            from bench import grpo_profile
+
+            figures = grpo_profile.measure(model, args.work / "profile", args.profile_variants.split(","),
+                                           args.grpo_steps, args.grpo_generation_steps)  # fmt: skip
         else:
             figures = search_overhead(model, args.work / "search", args.search_minutes)
         figures["machine"] = _machine()
@@ -165,8 +175,7 @@ def _bench_budget(model: Path, box: Path, work: Path, minutes: float) -> Path:
         round_min_minutes=1.5,
         round_max_minutes=5,
         hang_minutes=5,
-        # The priors are the box's pessimistic guess (search/duration.py); at 0.5 no 2B round fitted 4 minutes.
-        duration_prior_scale=0.2,
+        duration_prior_scale=1.0,  # search/duration.py's priors are H200 measurements
         gpus="auto",
         model_path=str(model),
         train_path=str(box / "train"),

@@ -1,18 +1,19 @@
 """How long a round will take, predicted from its TrialConfig and refitted on the rounds that finished.
 
 A round is four measured parts (`search.backend.TIMING_KEYS`): setup, train, save, eval. Setup, save and eval
-cost the same for every round (the same model, the same evaluation rows), so each is one constant. Training is
-dominated by generation, and a generation batch decodes for as long as its longest completion, which is the cap
+cost the same for every round (the same model, the same evaluation rows), so each is one constant. In training, a
+generation batch decodes for as long as its longest completion, which is the cap
 `max_completion_length` for most batches, so the training features use the cap (the same feature at fit and at
 prediction time; the fitted coefficient absorbs how often batches end early):
 
   decode steps   ceil(steps / generation_steps) * max_completion_length, split into full and LoRA rounds: a decode
-                 step costs ~30 ms nearly whatever the batch; LoRA rounds pay for merging the adapters around it;
+                 step costs about the same over a wide range of batch sizes; LoRA rounds also merge the adapters;
   tokens         steps * prompts_per_step * num_generations * max_completion_length: what grows with the batch
                  (attention over the KV cache, the logits, the training forward and backward);
-  in-round eval  rows greedily scored during training, (steps // eval_every) * eval_rows.
+  in-round eval  rows greedily scored during training, (steps // eval_every) * eval_rows;
+  compilation    1 when the round compiles its rollouts' decode step (once, in its first generation).
 
-Priors come from the brief's H200 measurements, times `prior_scale` for the box's slower 48 GB cards. Each part is
+Priors come from H200 measurements of the trainer, times `prior_scale` for the box's slower 48 GB cards. Each part is
 then refitted as non-negative multipliers of its prior terms, by least squares on relative errors (a 5-minute and
 a 60-minute round count alike) with a ridge pulling every multiplier toward the part's median measured/prior
 ratio: with one round the model is the prior rescaled, with many it is the data, and features the rounds never
@@ -30,20 +31,22 @@ import numpy as np
 from search.backend import TIMING_KEYS as PARTS
 from trainer.config import TrialConfig
 
-# H200 priors (the brief's measurements on the real 2B architecture, 256-token completions):
-# full fine-tuning 8.6 s per 8-completion step, 94% of it generation -> ~30 ms per decode step; 32 and 64
-# completions per generation (2.8 s per step, 4.7 completions/s) fit ~0.35 ms per token on top. LoRA r=64 took
-# 16.4 s (~60 ms per decode step) with TRL's unmerged adapters; the trainer samples from a merged bf16 replica
-# (trainer/rollout.py), so LoRA's prior is the full rate plus the merging. Pessimistic since the replica's compiled
-# decode step (bench/results): the first finished round refits them.
-DECODE_FULL_S = 0.030
-DECODE_LORA_S = 0.035
-TOKEN_S = 0.00035
-INROUND_EVAL_ROW_S = 0.16  # greedy generate at batch 64: 6.2 prompts/s
-SETUP_S = 90.0  # imports, model (and reference model) loading, dataset loading
-SAVE_S = 60.0  # merge, save_pretrained of 4.4 GB
-EVAL_LOAD_S = 60.0  # one evaluation process: imports, model and data loading
-EVAL_ROW_S = 0.16
+# H200 priors, measured with the trainer as it runs (bench/grpo_profile.py, bench/results/2026-12-03-h200.json: the
+# 2B model, 8 completions per step, 8 steps per generation, 256-token completions): the replica's compiled decode
+# step costs ~9 ms at batch 64 (a generation of 64 completions: 2.3-2.8 s), ~10 ms for LoRA (merging the adapters
+# into the replica adds ~25 ms per generation); the rest of a step (old log-probs, forward, backward, optimizer)
+# ~0.55 s per 2,048 completion tokens; a round's first generation compiles (36-44 s; later rounds on the machine
+# reuse inductor's on-disk cache). A 20-step LoRA round of a real search: setup 21.5 s, save 6.2 s, the evaluation of
+# 288 rows 105 s in a fresh process (loading, compiling the static cache, generating at ~39 rows/s).
+DECODE_FULL_S = 0.009
+DECODE_LORA_S = 0.010
+TOKEN_S = 0.00027
+COMPILE_S = 40.0  # once per round that compiles its rollouts
+INROUND_EVAL_ROW_S = 0.16  # greedy generate, dynamic cache, batch 32 (the brief: 6.2 prompts/s at batch 64)
+SETUP_S = 25.0  # launch, imports, model, replica (and reference model) loading, dataset loading
+SAVE_S = 10.0  # merge, save_pretrained of 4.4 GB
+EVAL_LOAD_S = 75.0  # one evaluation process: imports, model and data loading, the static cache's compilation
+EVAL_ROW_S = 0.03
 # The box's 48 GB cards against an H200: a guess (less bandwidth and compute; decode is partly launch-bound),
 # replaced by the fit as soon as one round has finished.
 BOX_SLOWDOWN = 2.0
@@ -85,7 +88,7 @@ class DurationModel:
         configuration the sampler proposed any more (its schedule, its KL drift): `fit_steps` refuses it."""
         self._priors = {
             "setup": np.array([SETUP_S]),
-            "train": np.array([DECODE_FULL_S, DECODE_LORA_S, TOKEN_S, INROUND_EVAL_ROW_S]),
+            "train": np.array([DECODE_FULL_S, DECODE_LORA_S, TOKEN_S, INROUND_EVAL_ROW_S, COMPILE_S]),
             "save": np.array([SAVE_S]),
             "eval": np.array([eval_processes * EVAL_LOAD_S + eval_rows * EVAL_ROW_S]),
         }
@@ -154,7 +157,8 @@ class DurationModel:
         tokens = steps * config.prompts_per_step * config.num_generations * config.max_completion_length
         eval_rows = (steps // config.eval_every) * config.eval_rows if config.eval_every else 0
         lora = not config.full_finetuning
-        features = np.array([0.0 if lora else decode, decode if lora else 0.0, tokens, eval_rows], dtype=float)
+        compile_once = 1.0 if config.compile_rollouts else 0.0
+        features = np.array([0.0 if lora else decode, decode if lora else 0.0, tokens, eval_rows, compile_once])
         return features * self._priors["train"]
 
 

@@ -22,18 +22,18 @@ from search.backend import DONE, EVALUATING, TRAINING, RoundOutcome
 from search.clock import Clock
 from trainer.config import TrialConfig
 
-# The hidden cost of a round on the simulated box (seconds): a box ~3x slower than an H200, where the
-# DurationModel's prior guesses 2x, so early rounds run late and the model has to learn.
-TRUE_SETUP_S = 200.0
-TRUE_DECODE_FULL_S = 0.10  # per decode step of a generation batch
-TRUE_DECODE_LORA_S = 0.16
+# The hidden cost of a round on the simulated box (seconds): a box ~3x slower than an H200 (search/duration.py's
+# measured priors), where the DurationModel's prior guesses 2x, so early rounds run late and the model has to learn.
+TRUE_SETUP_S = 75.0
+TRUE_DECODE_FULL_S = 0.027  # per decode step of a generation batch
+TRUE_DECODE_LORA_S = 0.03
 TRUE_BATCH_EFFECT = 0.004  # a decode step slows by this share per sequence in the batch
-TRUE_TOKEN_S = 0.0012  # per completion token (training forward and backward)
+TRUE_TOKEN_S = 0.0008  # per completion token (old log-probs, training forward and backward)
 TRUE_COMPLETION_SHARE = 0.85  # of the cap, decoded on average by a generation batch
 TRUE_INROUND_ROW_S = 0.4
-TRUE_SAVE_S = 140.0
-TRUE_EVAL_LOAD_S = 100.0
-TRUE_EVAL_ROW_S = 0.3
+TRUE_SAVE_S = 30.0
+TRUE_EVAL_LOAD_S = 220.0
+TRUE_EVAL_ROW_S = 0.09
 OOD_ROWS = 1000  # ood_val's size when every row is scored
 
 # The landscape.

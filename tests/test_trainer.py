@@ -110,6 +110,18 @@ def changed_weights(base_dir: Path, merged_dir: Path) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- configuration
+def test_gradient_checkpointing_defaults_to_full_fine_tuning_only():
+    from trainer.config import ConfigError, TrialConfig
+
+    paths = dict(model_path="m", train_path="t", output_dir="o")
+    assert TrialConfig(**paths, lora_rank=0).effective_gradient_checkpointing is True
+    assert TrialConfig(**paths, lora_rank=64).effective_gradient_checkpointing is False
+    assert TrialConfig(**paths, lora_rank=64, gradient_checkpointing=True).effective_gradient_checkpointing is True
+    assert TrialConfig(**paths, lora_rank=0, gradient_checkpointing=False).effective_gradient_checkpointing is False
+    with pytest.raises(ConfigError, match="^gradient_checkpointing: must be true, false or null"):
+        TrialConfig(**paths, gradient_checkpointing="yes")
+
+
 def test_bad_config_exits_2_with_one_line(tmp_path, tiny_model_dir, splits):
     bad_path = write_trial(tmp_path, tmp_path / "no_model", splits)
     result = run([sys.executable, "-m", "trainer", "--config", str(bad_path)], timeout=60)
@@ -172,6 +184,35 @@ def test_training_images_are_the_verifiers_pixels(tmp_path, tiny_model_dir):
     verifier = build_inputs(AutoProcessor.from_pretrained(tiny_model_dir), [load_split(split)[0]])
     assert torch.equal(training["image_grid_thw"], verifier["image_grid_thw"])
     assert torch.equal(training["pixel_values"], verifier["pixel_values"])
+
+
+def test_a_generation_batch_decodes_each_image_once(tmp_path, tiny_model_dir, splits, monkeypatch):
+    import numpy as np
+
+    from evaluator.data import load_split
+    from trainer import data
+    from trainer.config import TrialConfig
+
+    config = TrialConfig.from_json(write_trial(tmp_path, tiny_model_dir, splits))
+    dataset = data.build_train_dataset(config)
+    decoded = []
+    decode = data.datasets.Image.decode_example
+    monkeypatch.setattr(data.datasets.Image, "decode_example",
+                        lambda self, value, **kw: decoded.append(1) or decode(self, value, **kw))
+    batch = [index for index in (0, 1, 2) for _ in range(4)]  # TRL's order: each prompt num_generations times
+    first = dataset.__getitems__(batch)
+    again = dataset.__getitems__(batch)  # the next optimizer steps of the same generation batch
+    assert len(decoded) == 3
+    stored = load_split(splits["train"])
+    for row, index in zip(first + again, batch + batch):
+        assert np.array_equal(np.asarray(row["image"]), np.asarray(stored[index]["image"]))  # 56x56: no resize
+
+    monkeypatch.setattr(data, "IMAGE_CACHE_ROWS", 2)  # fewer rows than the batch holds: decoded again, still right
+    small = data.build_train_dataset(config)
+    decoded.clear()
+    rows = small.__getitems__(batch) + small.__getitems__(batch)
+    assert len(decoded) > 3
+    assert all(np.array_equal(np.asarray(r["image"]), np.asarray(stored[i]["image"])) for r, i in zip(rows, batch * 2))
 
 
 # ------------------------------------------------------------------------------------------- rollout replica

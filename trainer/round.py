@@ -244,7 +244,7 @@ def _grpo_config(config: TrialConfig, layout: BatchLayout, reward_weights: list[
         max_completion_length=config.max_completion_length,
         reward_weights=reward_weights,
         bf16=on_gpu,  # GRPOConfig defaults bf16 to True, which on CPU would mean slow bf16 autocast
-        gradient_checkpointing=config.gradient_checkpointing,
+        gradient_checkpointing=config.effective_gradient_checkpointing,
         # Every trainable parameter is used in every step (the vision tower is frozen), so DDP need not search the
         # graph for unused ones (TRL turns that search on for vision-language models).
         ddp_find_unused_parameters=False,
