@@ -185,12 +185,17 @@ def _build_demo_box(settings: Settings) -> None:
     recipe = Recipe()
     model = Path(settings.model_path)
     if not (model / TEACH_FILE).is_file():
+        import torch
+
         from synthetic.teach import build_counting_model
 
-        # A small Qwen2-VL taught by SFT to answer in the verifier's format and to count roughly (minutes on a CPU):
-        # a base that GRPO can improve, unlike a random model that never writes a parsable answer.
-        print(f"demo: teaching a small Qwen2-VL to count in {model} (a few minutes on a CPU)", flush=True)
-        _build_into(model, lambda partial: build_counting_model(partial, seed=settings.seed, recipe=recipe))
+        # A small Qwen2-VL taught by SFT to answer in the verifier's format and to count roughly (minutes on a CPU,
+        # about one on a GPU): a base that GRPO can improve, unlike a random model that never writes a parsable answer.
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        print(f"demo: teaching a small Qwen2-VL to count in {model} on {device}", flush=True)
+        _build_into(
+            model, lambda partial: build_counting_model(partial, seed=settings.seed, recipe=recipe, device=device)
+        )
     box = Path(settings.train_path).parent
     if not all(Path(getattr(settings, key)).is_dir() for key in ("train_path", "val_path", "ood_val_path")):
         from synthetic.splits import write_box

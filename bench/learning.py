@@ -10,6 +10,55 @@ Figures: accuracy with its Wilson 95% interval, and the paired difference (after
 95% interval from the per-row differences (normal approximation; n is a few hundred); with several runs, each arm's
 gains over the runs (mean, min, max). Every model, split and round is written under --work and reused by later runs
 with the same arguments. Rounds train under `completion_positions_only` (~6x faster on a CPU, same numbers).
+
+The default round (`RoundRecipe`): LoRA rank 16 on the language model, lr 2e-3, 40 steps of 8 prompts x 8
+generations, temperature 1 (~7-8 s a step on 2 CPU cores; ~20 minutes for the three arms and the scoring).
+Measured on teach seed 0 (the default `Recipe`), n_eval 300, base accuracy compositional 46.0%, other 33.3%; gains
+in points over GRPO seeds 0 1 2:
+
+    recipe (40 steps x 8 generations)      runs  image comp / other   blank comp / other    shuffle comp / other
+    full, lr 1e-4, 4 prompts               0     +8.0 / -1.3          -0.3 / -8.7           +7.0 / +1.3
+                                           1     +2.3 / -1.0          -5.7 / +1.0           -9.7 / -0.3
+                                           2     +6.3 / -1.0          +4.7 / -0.7          -14.7 / -1.7
+    full, lr 1e-3, 4 prompts               0    -11.3 / -6.7         -46.0 / -33.3 *       -46.0 / -33.3 *
+    full, lr 3e-4, 8 prompts               0     +6.3 / -2.0          +1.7 / -0.3          -13.0 / -10.0
+    LoRA 16, lr 2e-3, 8 prompts (default)  0     +8.3 / +0.0         -28.3 / -19.0          -6.0 / -8.0
+                                           1     +6.7 / -0.3          -6.3 / +0.0          -14.0 / -1.0
+                                           2     +7.3 / -2.0         -31.0 / -20.0         -34.0 / -16.0
+    (* no answer in the format any more)
+
+So, with the default: on the compositional split the image round gains +6.7..+8.3 while every control round loses
+(at best -6.0), a gap of >= 12.7 points in every run; on the different-renderer split ("other") the image round does
+not gain (-2.0..0.0) and is not separated from the controls (blank +0.0 in seed 1). The image arm's training
+accuracy reward (`rewards/accuracy/mean`, mean of the first vs last 10 steps) rose in seeds 0 and 2 (0.375 -> 0.412,
+0.380 -> 0.400) but not in seed 1 (0.370 -> 0.342). Why "other" does not move: the round trains only the language
+model (the vision tower is frozen, trainer.round) on condition-A images, and the taught model's errors on the other
+renderer are in what it sees (the base model reads 4-5 objects there as 6 and 2-3 as 1). The compositional gain
+comes almost all from 3-object scenes (right 11/53 before, 38 and 41/53 after in seeds 0 and 1; read as 2 before),
+paid for in part by 2- and 4-object scenes now read as 3; on "other" the same shift is smaller and cancels out.
+Full fine-tuning at 1e-3 collapses (the controls stop answering in the format); at 1e-4 the controls' gains
+overlap the image round's. No CPU test asserts the separation (tests/test_learning.py): it holds on one kind only.
+
+Training the vision tower too (`--train-vision`, TrialConfig.train_vision_tower) does not move "other" either: CPU,
+LoRA 16 on both towers, seed 0: compositional -1.3, other -0.7; H200, full fine-tuning of both at lr 1e-4, seeds
+0 1 2: compositional -4.0 / +6.0 / +5.0, other -0.3 / -2.3 / -2.3, with a blank control gaining +7.0 in seed 1.
+
+On the H200 (`--device cuda`: the model taught on the GPU, close to but not the CPU's; bf16 rounds; every figure in
+bench/results/2026-12-03-h200-learning.jsonl), teach seed 0, n_eval 300, gains in points for GRPO seeds 0 1 2:
+
+    taught model (base comp / other)        round        image comp / other        blank comp / other     shuffle comp / other
+    default (48.0 / 35.3)                   default      +0.7 -4.7 +5.3 / -3.0 -1.0 -1.3   <= -28.3 / <= -13.3   <= -14.7 / <= -3.7
+    undercount 0.6 (50.0 / 31.7)            default      +10.3 +0.7 +8.0 / +2.7 +3.0 +2.0  <= -7.3 / <= -8.3     <= -31.7 / <= -11.0
+    undercount 0.8 (36.3 / 32.7)            default      +15.3 +18.0 +19.3 / +1.0 +1.3 +1.3  <= -7.7 / <= -11.3  <= -18.7 / <= -10.7
+    undercount 0.8                          120 steps    +14.0 +19.7 +21.0 / +1.7 +0.3 +3.7  <= -18.7 / <= -10.7  (not run)
+
+`--undercount-share` (synthetic.teach.Recipe.undercount_share) teaches an answer-side bias: that share of the rows
+with 3 or more objects is taught the count minus one (the vision tower's per-cell targets stay true), as a real
+model undercounts crowded scenes. At 0.8 the image round gains 15-19 points on the compositional split and every
+control loses (a gap of >= 23 points), the clearest separation so far; on "other" the image round gains +1.0..+1.3
+(each run's 95% interval includes 0) while every control loses >= 10.7 points: separated from the controls, not yet
+beyond noise on its own. The bias barely shows on "other" (32.7% against 35.3% unbiased): there the taught model's
+errors are in what it sees (the other renderer's 2-3 objects read as 1), which the answer's reward cannot fix.
 """
 
 from __future__ import annotations
@@ -69,10 +118,17 @@ class Setup:
     teach: Recipe = field(default_factory=Recipe)
     n_train: int = 512
     n_eval: int = 300
+    device: str = "cpu"  # where the taught model is built and scored (the rounds use the GPU when there is one)
+
+    @property
+    def name(self) -> str:
+        """seed<N>, and the taught recipe's difference from the default one (the only one varied here)."""
+        biased = self.teach.undercount_share
+        return f"seed{self.seed}" + (f"-u{biased:g}" if biased else "")
 
     @property
     def model(self) -> Path:
-        return self.work / f"model-seed{self.seed}"
+        return self.work / f"model-{self.name}"
 
     def split(self, kind: str) -> Path:
         n = self.n_train if kind == "train" else self.n_eval
@@ -86,7 +142,7 @@ class Setup:
         return self.split("train") if arm == "image" else self.control(arm)
 
     def round_dir(self, arm: str, recipe: RoundRecipe) -> Path:
-        return self.work / f"rounds-seed{self.seed}" / f"{arm}-{recipe.tag}"
+        return self.work / f"rounds-{self.name}" / f"{arm}-{recipe.tag}"
 
 
 def prepare(setup: Setup, kinds=EVAL_KINDS, controls=CONTROLS, log=print) -> None:
@@ -96,7 +152,7 @@ def prepare(setup: Setup, kinds=EVAL_KINDS, controls=CONTROLS, log=print) -> Non
     from synthetic.splits import write_control_split, write_split
 
     datasets.disable_progress_bars()
-    build_counting_model(setup.model, seed=setup.seed, recipe=setup.teach, log=log)
+    build_counting_model(setup.model, seed=setup.seed, recipe=setup.teach, log=log, device=setup.device)
     for kind in ("train", *kinds):
         if not setup.split(kind).is_dir():
             # GRPO train rows start after the SFT rows (another seed), so the round sees scenes SFT never saw.
@@ -108,7 +164,8 @@ def prepare(setup: Setup, kinds=EVAL_KINDS, controls=CONTROLS, log=print) -> Non
             write_control_split(setup.split("train"), setup.control(control), control, seed=setup.seed)
 
 
-def score(model_dir: Path, split: Path, max_new_tokens: int = 32, batch_size: int = 32) -> dict[str, Any]:
+def score(model_dir: Path, split: Path, max_new_tokens: int = 32, batch_size: int = 32,
+          device: str = "cpu") -> dict[str, Any]:
     """Per-row correctness of greedy completions prompted as the verifier prompts (evaluator.generation)."""
     import torch
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
@@ -120,7 +177,7 @@ def score(model_dir: Path, split: Path, max_new_tokens: int = 32, batch_size: in
     rows = load_split(split)
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     processor = AutoProcessor.from_pretrained(model_dir)
-    completions = generate_completions(model.eval(), processor, rows, batch_size=batch_size,
+    completions = generate_completions(model.to(device).eval(), processor, rows, batch_size=batch_size,
                                        max_new_tokens=max_new_tokens)
     golds = [parse_gold(s) for s in rows["solution"]]
     correct = [is_correct(c.text, g) for c, g in zip(completions, golds)]
@@ -134,17 +191,18 @@ class RoundRecipe:
     """The GRPO round of the experiment (the TrialConfig fields it varies); every arm of a run trains with it."""
 
     steps: int = 40
-    learning_rate: float = 1e-4
-    lora_rank: int = 0  # 0: full fine-tuning of the language model (the vision tower stays frozen: trainer.round)
-    prompts_per_step: int = 4
+    learning_rate: float = 2e-3
+    lora_rank: int = 16  # 0: full fine-tuning
+    train_vision: bool = False  # train the vision tower too (TrialConfig.train_vision_tower)
+    prompts_per_step: int = 8
     num_generations: int = 8
     temperature: float = 1.0
     seed: int = 0  # the round's seed (sampling, data order)
 
     @property
     def tag(self) -> str:
-        return (f"s{self.steps}-lr{self.learning_rate:g}-r{self.lora_rank}-p{self.prompts_per_step}"
-                f"-n{self.num_generations}-t{self.temperature:g}-g{self.seed}")
+        return (f"s{self.steps}-lr{self.learning_rate:g}-r{self.lora_rank}{'v' if self.train_vision else ''}"
+                f"-p{self.prompts_per_step}-n{self.num_generations}-t{self.temperature:g}-g{self.seed}")
 
 
 @contextmanager
@@ -195,6 +253,8 @@ def grpo_round(setup: Setup, arm: str, recipe: RoundRecipe) -> tuple[Path, float
             phrasing="eval",
             gradient_checkpointing=False,
             lora_rank=recipe.lora_rank,
+            train_vision_tower=recipe.train_vision,
+            compile_rollouts=False,  # ~9-token completions from a tiny model: a compilation per round costs more
             seed=recipe.seed,
         )
         with completion_positions_only():
@@ -224,7 +284,7 @@ def experiment(setup: Setup, recipe: RoundRecipe, *, controls=CONTROLS, kinds=HE
         for kind in kinds:
             key = (str(model), str(setup.split(kind)))
             if key not in scores:
-                scores[key] = score(model, setup.split(kind))
+                scores[key] = score(model, setup.split(kind), device=setup.device)
             s = scores[key]
             k, n = sum(s["correct"]), s["n"]
             entry = {"correct": k, "n": n, "accuracy": 100 * k / n, "ci": wilson(k, n), "format_rate": s["format_rate"]}
@@ -270,11 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=ROOT / "built" / "learning")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="teach seeds (one taught model each)")
     parser.add_argument("--grpo-seeds", type=int, nargs="+", default=[0], help="round seeds, per taught model")
+    parser.add_argument("--undercount-share", type=float, default=0.0,
+                        help="the taught model's answer-side bias (synthetic.teach.Recipe.undercount_share)")
     parser.add_argument("--n-eval", type=int, default=300)
     parser.add_argument("--n-train", type=int, default=512)
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
     parser.add_argument("--lora-rank", type=int, default=defaults.lora_rank)
+    parser.add_argument("--train-vision", action="store_true", help="train the vision tower too")
+    parser.add_argument("--device", default="cpu", help="where the taught model is built and scored (cpu, cuda)")
     parser.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
     parser.add_argument("--num-generations", type=int, default=defaults.num_generations)
     parser.add_argument("--temperature", type=float, default=defaults.temperature)
@@ -284,19 +348,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results, scores = [], {}
     for seed in args.seeds:
-        setup = Setup(args.work, seed=seed, n_train=args.n_train, n_eval=args.n_eval)
-        if args.base_only:
-            prepare(setup, controls=())
+        setup = Setup(args.work, seed=seed, teach=Recipe(undercount_share=args.undercount_share),
+                      n_train=args.n_train, n_eval=args.n_eval, device=args.device)
+        if args.base_only:  # also writes every split, so that runs started after it in parallel only read them
+            prepare(setup)
             for kind in EVAL_KINDS:
-                s = score(setup.model, setup.split(kind))
+                s = score(setup.model, setup.split(kind), device=setup.device)
                 k, n = sum(s["correct"]), s["n"]
                 lo, hi = wilson(k, n)
                 print(f"seed {seed} base {kind:13s} {k}/{n} = {100 * k / n:.1f}% [{lo:.1f}, {hi:.1f}] "
                       f"format {100 * s['format_rate']:.1f}%  e.g. {s['sample'][0]!r}", flush=True)
             continue
         for grpo_seed in args.grpo_seeds:
-            recipe = RoundRecipe(args.steps, args.learning_rate, args.lora_rank, args.prompts_per_step,
-                                 args.num_generations, args.temperature, grpo_seed)
+            recipe = RoundRecipe(args.steps, args.learning_rate, args.lora_rank, args.train_vision,
+                                 args.prompts_per_step, args.num_generations, args.temperature, grpo_seed)
             result = experiment(setup, recipe, controls=tuple(args.controls), scores=scores)
             results.append(result)
             print(format_result(result), flush=True)

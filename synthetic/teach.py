@@ -58,6 +58,10 @@ class Recipe:
     augment_share: float = 0.75
     # Weight of the auxiliary dense loss on the vision tower's merged tokens (see `teach`); 0 turns it off.
     aux_weight: float = 1.0
+    # Share of rows with 3 or more objects whose answer target is one less than the count (the per-cell auxiliary
+    # targets stay true): an answer-side bias, the same on every renderer, like a real model's undercounting of
+    # crowded scenes. Above 0.5 the greedy answer is the biased one, while sampling still finds the right one.
+    undercount_share: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
@@ -67,8 +71,12 @@ def answer_text(count: int) -> str:
     return f"<answer> {count} </answer>"
 
 
-def build_counting_model(out_dir: str | Path, *, seed: int = 0, recipe: Recipe | None = None, log=print) -> Path:
-    """The taught model's folder (built, or reused when already built with the same seed and recipe)."""
+def build_counting_model(out_dir: str | Path, *, seed: int = 0, recipe: Recipe | None = None, log=print,
+                         device: str = "cpu") -> Path:
+    """The taught model's folder (built, or reused when already built with the same seed and recipe).
+
+    `device`: where the SFT runs. On "cpu" the model is bit-for-bit the same for the same seed and recipe; on a GPU
+    (minutes faster) it is close but not identical, and teach.json records the device it was built on."""
     recipe = recipe or Recipe()
     out = Path(out_dir)
     wanted = {"seed": seed, "recipe": recipe.to_dict()}
@@ -93,11 +101,13 @@ def build_counting_model(out_dir: str | Path, *, seed: int = 0, recipe: Recipe |
         build_model(partial, size=recipe.size, seed=seed)
         model = Qwen2VLForConditionalGeneration.from_pretrained(partial, dtype=torch.float32, attn_implementation="sdpa")
         processor = AutoProcessor.from_pretrained(partial)
-        losses = teach(model, processor, recipe, seed, log=log)
+        losses = teach(model.to(device), processor, recipe, seed, log=log)
         model.save_pretrained(partial)  # the generation config built by build_model travels with the model
         processor.save_pretrained(partial)
         seconds = time.perf_counter() - start
-        (partial / TEACH_FILE).write_text(json.dumps({**wanted, "seconds": seconds, "losses": losses}, indent=1) + "\n")
+        (partial / TEACH_FILE).write_text(
+            json.dumps({**wanted, "device": device, "seconds": seconds, "losses": losses}, indent=1) + "\n"
+        )
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.rename(partial, out)
@@ -160,7 +170,11 @@ def training_rows(recipe: Recipe, seed: int) -> list[tuple[Any, str, int, str, l
         question = pick.choice(PARAPHRASES) if pick.random() < recipe.paraphrase_share else scene.question
         if pick.random() < recipe.augment_share:
             image = augment(image, pick)
-        rows.append((image, question, scene.count, template, cell_counts(scene)))
+        answer = scene.count
+        # Drawn only when asked for, so that the default recipe's rows (and model) stay what they were.
+        if recipe.undercount_share > 0 and scene.count >= 3 and pick.random() < recipe.undercount_share:
+            answer -= 1
+        rows.append((image, question, answer, template, cell_counts(scene)))
     return rows
 
 
@@ -218,7 +232,7 @@ def teach(model: Any, processor: Any, recipe: Recipe, seed: int, log=print) -> d
     # of steps, and the language model still has to learn to add them up. The head is dropped after training.
     merged: list[torch.Tensor] = []
     hook = model.model.visual.merger.register_forward_hook(lambda module, args, output: merged.append(output))
-    head = torch.nn.Linear(model.config.text_config.hidden_size, 1)
+    head = torch.nn.Linear(model.config.text_config.hidden_size, 1).to(model.device)
     optimizer.add_param_group({"params": list(head.parameters())})
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     pool: list[int] = []
@@ -231,10 +245,11 @@ def teach(model: Any, processor: Any, recipe: Recipe, seed: int, log=print) -> d
             pool += fresh
         batch, pool = [rows[i] for i in pool[: recipe.batch_size]], pool[recipe.batch_size:]
         inputs, labels = build_batch(processor, batch)
+        inputs, labels = {k: v.to(model.device) for k, v in inputs.items()}, labels.to(model.device)
         # Only the positions that predict a target token: logits of position t predict token t+1.
         logits = model(**inputs, logits_to_keep=labels.shape[1] + 1).logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        cells = torch.tensor([c for row in batch for c in row[4]], dtype=torch.float32)
+        cells = torch.tensor([c for row in batch for c in row[4]], dtype=torch.float32, device=model.device)
         aux = torch.nn.functional.mse_loss(head(merged.pop()).squeeze(-1), cells)
         merged.clear()
         total = loss + recipe.aux_weight * aux

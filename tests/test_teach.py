@@ -56,3 +56,17 @@ def test_control_split_keeps_problems_and_answers(tmp_path, control):
         assert sorted(pixels) == sorted(image.tobytes() for image in before["image"]) and pixels != [
             image.tobytes() for image in before["image"]
         ]
+
+
+def test_undercount_share_lowers_only_the_answers_of_three_or_more_objects():
+    from synthetic.teach import training_rows
+
+    recipe = Recipe(rows=60, undercount_share=1.0)
+    biased = training_rows(recipe, seed=0)
+    for _, _, answer, _, cells in biased:
+        count = sum(cells)  # the per-cell targets stay the true counts
+        assert answer == (count - 1 if count >= 3 else count)
+    assert any(sum(cells) >= 3 for *_, cells in biased)
+    # The default recipe leaves every answer true.
+    plain = training_rows(Recipe(rows=60), seed=0)
+    assert all(answer == sum(cells) for _, _, answer, _, cells in plain)

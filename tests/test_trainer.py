@@ -43,6 +43,11 @@ sys.exit(main())
 """
 
 
+def token_parity(completion_ids, **kwargs):
+    """LAUNCHER's reward, for rounds run in this process."""
+    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
 @pytest.fixture(scope="module")
 def splits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from synthetic.splits import write_split
@@ -317,6 +322,28 @@ def test_full_finetuning_round_on_two_processes_freezes_the_vision_tower(tmp_pat
     assert any("language_model" in name for name in changed)
     assert not any("visual" in name for name in changed)
     load_merged(out / "merged")
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
+def test_train_vision_tower_trains_the_tower_and_the_language_model(tmp_path, tiny_model_dir, splits, lora_rank,
+                                                                     monkeypatch):
+    from trainer import rewards
+    from trainer.config import ConfigError, TrialConfig
+    from trainer.round import run_round
+
+    monkeypatch.setitem(rewards.REWARDS, "token_parity", token_parity)
+    trial = json.loads(write_trial(tmp_path, tiny_model_dir, splits, lora_rank=lora_rank, steps=2,
+                                   learning_rate=1e-2 if lora_rank else 1e-3, prompts_per_step=2,
+                                   reward_weights={"token_parity": 1.0}, train_vision_tower=True).read_text())
+    result = run_round(TrialConfig(**trial))
+    assert result.state == "completed", result.reason
+    changed = changed_weights(tiny_model_dir, tmp_path / "run" / "merged")
+    assert any("language_model" in name for name in changed)
+    assert any(".visual.blocks." in name for name in changed) and any(".visual.merger." in name for name in changed)
+    if lora_rank:  # LoRA adapts linear layers only: the patch embedding (a Conv3d) and the norms stay as they were
+        assert not any("patch_embed" in name or "norm" in name for name in changed)
+    with pytest.raises(ConfigError, match="^train_vision_tower: must be true or false"):
+        TrialConfig(**{**trial, "train_vision_tower": "yes"})
 
 
 def test_stop_file_stops_every_process_after_one_step_and_saves(tmp_path, tiny_model_dir, splits):

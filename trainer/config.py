@@ -17,7 +17,7 @@ PHRASINGS = ("eval", "inherited", "mix")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
 LR_SCHEDULES = ("constant", "linear", "cosine")
-# The language model's attention and MLP projections in Qwen2-VL; the vision tower is left frozen.
+# The language model's attention and MLP projections in Qwen2-VL.
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Qwen2-VL's image sides are multiples of 28 (patch 14, merge 2): 4 and 16384 merged patches bound the pixels.
 MIN_PIXELS = 4 * 28 * 28
@@ -100,6 +100,11 @@ class TrialConfig:
         "Module names LoRA adapts (the language model's attention and MLP projections).",
         default_factory=lambda: list(DEFAULT_LORA_TARGETS),
     )
+    train_vision_tower: bool = _help(
+        "Train the vision tower and its merger too: all their weights under full fine-tuning, LoRA on their linear "
+        "layers (attention qkv/proj, MLP fc1/fc2, merger MLP) otherwise. False: only the language model trains.",
+        False,
+    )
 
     # --- evaluation during the round ---
     eval_every: int = _help("Score the model on the OOD subset every this many steps; 0 turns it off.", 0)
@@ -135,6 +140,8 @@ class TrialConfig:
         _choice("phrasing", self.phrasing, PHRASINGS)
         if not isinstance(self.compile_rollouts, bool):
             raise ConfigError("compile_rollouts", f"must be true or false, got {self.compile_rollouts!r}")
+        if not isinstance(self.train_vision_tower, bool):
+            raise ConfigError("train_vision_tower", f"must be true or false, got {self.train_vision_tower!r}")
         if self.gradient_checkpointing is not None and not isinstance(self.gradient_checkpointing, bool):
             raise ConfigError(
                 "gradient_checkpointing", f"must be true, false or null, got {self.gradient_checkpointing!r}"

@@ -54,6 +54,9 @@ from trainer.status import (
 
 MERGED_DIR = "merged"
 TRL_DIR = "trl"  # the trainer's own output_dir (nothing is checkpointed there: save_strategy "no")
+# The vision tower's linear layers under `train_vision_tower` with LoRA: each block's attention (qkv, proj) and MLP
+# (fc1, fc2), and the merger's MLP (indices 0 and 2 of its Sequential). The patch embedding (a Conv3d) stays frozen.
+VISION_LORA_PATTERN = r"(?:.*\.)?visual\.(?:blocks\.\d+\.(?:attn\.(?:qkv|proj)|mlp\.(?:fc1|fc2))|merger\.mlp\.[02])"
 # Rows per greedy batch in the intermediate evaluation (64 rows of ~300 prompt + 256 new tokens: ~1 GB of KV cache
 # for the 2B model; small next to training memory).
 EVAL_BATCH_SIZE = 32
@@ -182,12 +185,12 @@ def _load_model(config: TrialConfig, on_gpu: bool) -> Qwen2VLForConditionalGener
     # almost every update away. CPU: float32 throughout (no fast bf16 matmuls there).
     dtype = torch.bfloat16 if on_gpu and not config.full_finetuning else torch.float32
     model = Qwen2VLForConditionalGeneration.from_pretrained(config.model_path, dtype=dtype, attn_implementation="sdpa")
-    if config.full_finetuning:
-        # Full fine-tuning trains the language model (embeddings, decoder, tied LM head) and freezes the vision tower
-        # and its merger. R1-V trained everything, but its gain was format and answer length (language side), the
-        # OOD test is a different renderer (vision features fitted to the train renderer are the part most likely to
-        # transfer badly), LoRA adapts only the language model (so the two arms of the search differ in capacity,
-        # not in which half moves), and a frozen tower saves its gradients and AdamW state (~0.6B parameters).
+    if config.full_finetuning and not config.train_vision_tower:
+        # By default full fine-tuning trains the language model (embeddings, decoder, tied LM head) and freezes the
+        # vision tower and its merger. R1-V trained everything, but its gain was format and answer length (language
+        # side), the OOD test is a different renderer (vision features fitted to the train renderer are the part most
+        # likely to transfer badly), and a frozen tower saves its gradients and AdamW state (~0.6B parameters).
+        # `train_vision_tower` lets the search try the other choice.
         model.model.visual.requires_grad_(False)
     return model
 
@@ -199,11 +202,14 @@ def _lora_config(config: TrialConfig) -> LoraConfig | None:
     # blocks use other names today (qkv, proj, fc1, fc2), but a bare name list would also catch any vision module
     # that shares a name.
     targets = "|".join(sorted(set(config.lora_targets)))
+    pattern = rf"(?:.*\.)?language_model\.(?:.*\.)?(?:{targets})"
+    if config.train_vision_tower:
+        pattern += "|" + VISION_LORA_PATTERN
     return LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.effective_lora_alpha,
         lora_dropout=config.lora_dropout,
-        target_modules=rf"^(?:.*\.)?language_model\.(?:.*\.)?(?:{targets})$",
+        target_modules=rf"^(?:{pattern})$",
         bias="none",
     )
 
@@ -245,8 +251,8 @@ def _grpo_config(config: TrialConfig, layout: BatchLayout, reward_weights: list[
         reward_weights=reward_weights,
         bf16=on_gpu,  # GRPOConfig defaults bf16 to True, which on CPU would mean slow bf16 autocast
         gradient_checkpointing=config.effective_gradient_checkpointing,
-        # Every trainable parameter is used in every step (the vision tower is frozen), so DDP need not search the
-        # graph for unused ones (TRL turns that search on for vision-language models).
+        # Every trainable parameter is used in every step (every prompt has an image, so a trained vision tower is
+        # too), so DDP need not search the graph for unused ones (TRL turns that search on for vision-language models).
         ddp_find_unused_parameters=False,
         # The reference model (full fine-tuning with beta > 0) only scores: bfloat16 halves its memory on GPU.
         model_init_kwargs={"dtype": "bfloat16"} if on_gpu and config.full_finetuning and config.beta > 0 else None,
