@@ -58,8 +58,9 @@ model undercounts crowded scenes. At 0.8 the image round gains 15-19 points on t
 control loses (a gap of >= 23 points), the clearest separation so far; on "other" the image round gains +1.0..+1.3
 (each run's 95% interval includes 0) while every control loses >= 10.7 points: separated from the controls, not yet
 beyond noise on its own. On a CPU (bench/results/2026-12-03-cpu-learning.jsonl), undercount 0.8, GRPO seed 0: base
-43.7 / 33.7; image +12.3 [+7.1, +17.6] / -0.3; blank -22.3 / -17.0; shuffle -23.3 / -5.0. The bias barely shows on "other" (32.7% against 35.3% unbiased): there the taught model's
-errors are in what it sees (the other renderer's 2-3 objects read as 1), which the answer's reward cannot fix.
+43.7 / 33.7; image +12.3 [+7.1, +17.6] / -0.3; blank -22.3 / -17.0; shuffle -23.3 / -5.0. The bias barely shows
+on "other" (32.7% against 35.3% unbiased): there the taught model's errors are in what it sees (the other renderer's
+2-3 objects read as 1), which the answer's reward cannot fix.
 """
 
 from __future__ import annotations

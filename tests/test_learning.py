@@ -22,10 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-
-def token_parity(completion_ids, **kwargs):
-    """A reward that varies between the tiny random model's completions (it never writes a parsable answer)."""
-    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+from rewardkit import token_parity
 
 
 def test_scoring_only_completion_positions_changes_nothing_in_a_round(tmp_path, tiny_model_dir, tiny_split_dir,

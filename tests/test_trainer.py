@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rewardkit import token_parity
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_machines", "1",
           "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
@@ -31,21 +33,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # then runs the trainer's real entry point.
 LAUNCHER = f"""
 import sys
-sys.path.insert(0, {str(REPO)!r})
+sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+from rewardkit import token_parity
 from trainer import rewards
-
-def token_parity(completion_ids, **kwargs):
-    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 rewards.REWARDS["token_parity"] = token_parity
 from trainer.__main__ import main
 sys.exit(main())
 """
-
-
-def token_parity(completion_ids, **kwargs):
-    """LAUNCHER's reward, for rounds run in this process."""
-    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
 @pytest.fixture(scope="module")
