@@ -180,9 +180,9 @@ def _build_demo_box(settings: Settings) -> None:
     import datasets
 
     datasets.disable_progress_bars()  # a few hundred rows: the bars would only bury the search's own lines
-    from synthetic.teach import TEACH_FILE, Recipe
+    from synthetic.teach import DEMO_RECIPE, TEACH_FILE
 
-    recipe = Recipe()
+    recipe = DEMO_RECIPE
     model = Path(settings.model_path)
     if not (model / TEACH_FILE).is_file():
         import torch

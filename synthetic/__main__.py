@@ -3,7 +3,7 @@
     python -m synthetic data OUT_DIR [--seed S] [--train N --val N --ood-val N --test N]
                                      [--image-size WxH] [--count-range LO-HI]
     python -m synthetic model OUT_DIR [--size tiny|small|counting|2b] [--seed S]
-    python -m synthetic teach OUT_DIR [--seed S] [--steps N]    # the SFT-taught counting model (synthetic.teach)
+    python -m synthetic teach OUT_DIR [--seed S] [--steps N]    # the demo's SFT-taught counting model (synthetic.teach)
 
 Bad arguments exit with status 2 and a message naming the problem.
 """
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     teach = commands.add_parser("teach", help="build the counting model taught by SFT (reused when built)")
     teach.add_argument("out_dir", type=Path)
     teach.add_argument("--seed", type=int, default=0)
-    teach.add_argument("--steps", type=_positive_int, help="SFT steps (default: synthetic.teach.Recipe's)")
+    teach.add_argument("--steps", type=_positive_int, help="SFT steps (default: synthetic.teach.DEMO_RECIPE's)")
     return parser
 
 
@@ -92,9 +92,11 @@ def _write_model(args: argparse.Namespace) -> None:
 
 
 def _write_taught(args: argparse.Namespace) -> None:
-    from synthetic.teach import Recipe, build_counting_model  # imports torch and transformers
+    import dataclasses
 
-    recipe = Recipe() if args.steps is None else Recipe(steps=args.steps)
+    from synthetic.teach import DEMO_RECIPE, build_counting_model  # imports torch and transformers
+
+    recipe = DEMO_RECIPE if args.steps is None else dataclasses.replace(DEMO_RECIPE, steps=args.steps)
     print(build_counting_model(args.out_dir, seed=args.seed, recipe=recipe))
 
 

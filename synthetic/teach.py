@@ -62,9 +62,24 @@ class Recipe:
     # targets stay true): an answer-side bias, the same on every renderer, like a real model's undercounting of
     # crowded scenes. Above 0.5 the greedy answer is the biased one, while sampling still finds the right one.
     undercount_share: float = 0.0
+    # Share of the rows rendered by the "other" renderer (scenes of their own seeds, never rows of an evaluation
+    # split), asked with a paraphrase (`PARAPHRASES`), never an evaluation split's question. The real base model's
+    # vision was pretrained on many renderers; condition A alone teaches a tower that misreads the other renderer's
+    # objects, and a GRPO round that trains on condition A can then not move that split (bench/learning.py).
+    other_share: float = 0.0
+    # Whether those rows train only the vision tower's auxiliary per-cell loss (the tower learns to see the other
+    # renderer's objects; the answer is taught on condition A alone) instead of the answer as well.
+    other_aux_only: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+# The taught model of `run_search.py --demo` and tests/test_learning.py: undercounting and half of its rows from the
+# other renderer. Its SFT stops where the vision tower sees the objects of both renderers but the answer still
+# mostly follows the biased prior, so a GRPO round on condition A can raise it on the compositional and the
+# different-renderer splits, and only by looking (bench/learning.py has the figures).
+DEMO_RECIPE = Recipe(undercount_share=0.8, other_share=0.5)
 
 
 def answer_text(count: int) -> str:
@@ -83,7 +98,9 @@ def build_counting_model(out_dir: str | Path, *, seed: int = 0, recipe: Recipe |
     marker = out / TEACH_FILE
     if marker.is_file():
         found = json.loads(marker.read_text())
-        if {"seed": found.get("seed"), "recipe": found.get("recipe")} != wanted:
+        # A recipe written before a field existed was taught with that field's default.
+        found_recipe = {**Recipe().to_dict(), **found.get("recipe", {})}
+        if {"seed": found.get("seed"), "recipe": found_recipe} != wanted:
             raise FileExistsError(f"{out} holds a model taught with another seed or recipe: {found.get('recipe')}")
         return out
     if out.exists() and any(out.iterdir()):
@@ -157,24 +174,33 @@ def augment(image: Any, rng: random.Random) -> Any:
     return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
 
 
-def training_rows(recipe: Recipe, seed: int) -> list[tuple[Any, str, int, str, list[int]]]:
-    """(image, question, count, template, objects per image token) per train-kind row, deterministic in
-    (recipe, seed). The last item counts the objects whose center falls in each 28x28 cell, in the order of the
-    merged image tokens (row-major), for the auxiliary loss."""
-    from synthetic.splits import iter_scenes
+def training_rows(recipe: Recipe, seed: int) -> list[tuple[Any, str, int, str, list[int], bool]]:
+    """(image, question, answer, template, objects per image token, whether the answer is taught) per row,
+    deterministic in (recipe, seed): the train kind's scenes, then the other renderer's (`other_share`). The fifth
+    item counts the objects whose center falls in each 28x28 cell, in the order of the merged image tokens
+    (row-major), for the auxiliary loss."""
+    from synthetic.scenes import render_scene
+    from synthetic.splits import derive_seed, iter_scenes
 
     pick = random.Random(f"teach-phrasing-{seed}")
+    n_other = round(recipe.rows * recipe.other_share)
+    scenes = list(iter_scenes("train", recipe.rows - n_other, seed, recipe.image_size, recipe.count_range))
+    # "teach-other" is no split's kind, so these scenes are none of the evaluation rows (whose seeds hash the kind).
+    scenes += [render_scene(derive_seed(seed, "teach-other", index), "other", recipe.image_size, recipe.count_range)
+               for index in range(n_other)]
     rows = []
-    for image, scene in iter_scenes("train", recipe.rows, seed, recipe.image_size, recipe.count_range):
+    for image, scene in scenes:
         template = INHERITED_TEMPLATE if pick.random() < recipe.inherited_share else EVAL_TEMPLATE
-        question = pick.choice(PARAPHRASES) if pick.random() < recipe.paraphrase_share else scene.question
+        other = scene.condition == "other"
+        question = (pick.choice(PARAPHRASES) if other or pick.random() < recipe.paraphrase_share
+                    else scene.question)
         if pick.random() < recipe.augment_share:
             image = augment(image, pick)
         answer = scene.count
         # Drawn only when asked for, so that the default recipe's rows (and model) stay what they were.
         if recipe.undercount_share > 0 and scene.count >= 3 and pick.random() < recipe.undercount_share:
             answer -= 1
-        rows.append((image, question, answer, template, cell_counts(scene)))
+        rows.append((image, question, answer, template, cell_counts(scene), not (other and recipe.other_aux_only)))
     return rows
 
 
@@ -246,9 +272,12 @@ def teach(model: Any, processor: Any, recipe: Recipe, seed: int, log=print) -> d
         batch, pool = [rows[i] for i in pool[: recipe.batch_size]], pool[recipe.batch_size:]
         inputs, labels = build_batch(processor, batch)
         inputs, labels = {k: v.to(model.device) for k, v in inputs.items()}, labels.to(model.device)
+        labels[[not row[5] for row in batch]] = -100  # rows that teach the vision tower only
         # Only the positions that predict a target token: logits of position t predict token t+1.
         logits = model(**inputs, logits_to_keep=labels.shape[1] + 1).logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        if not (labels != -100).any():  # a batch of only vision rows has no answer loss (the mean would be NaN)
+            loss = logits.sum() * 0
         cells = torch.tensor([c for row in batch for c in row[4]], dtype=torch.float32, device=model.device)
         aux = torch.nn.functional.mse_loss(head(merged.pop()).squeeze(-1), cells)
         merged.clear()

@@ -1,6 +1,6 @@
 """The counting model taught by SFT (synthetic.teach): its recipe's pieces and one short build end to end.
 
-Whether a GRPO round then improves it from the image (issue 5's learning test) is not asserted yet: see bench/learning.py.
+Whether a GRPO round then improves it from the image is tests/test_learning.py's question.
 """
 
 import json
@@ -63,10 +63,34 @@ def test_undercount_share_lowers_only_the_answers_of_three_or_more_objects():
 
     recipe = Recipe(rows=60, undercount_share=1.0)
     biased = training_rows(recipe, seed=0)
-    for _, _, answer, _, cells in biased:
+    for _, _, answer, _, cells, _ in biased:
         count = sum(cells)  # the per-cell targets stay the true counts
         assert answer == (count - 1 if count >= 3 else count)
-    assert any(sum(cells) >= 3 for *_, cells in biased)
+    assert any(sum(cells) >= 3 for *_, cells, _ in biased)
     # The default recipe leaves every answer true.
     plain = training_rows(Recipe(rows=60), seed=0)
-    assert all(answer == sum(cells) for _, _, answer, _, cells in plain)
+    assert all(answer == sum(cells) for _, _, answer, _, cells, _ in plain)
+
+
+@pytest.mark.parametrize("aux_only", [False, True])
+def test_other_share_adds_the_other_renderers_scenes_with_paraphrased_questions(aux_only):
+    from synthetic.scenes import QUESTIONS
+    from synthetic.teach import PARAPHRASES, training_rows
+
+    # No photometric augmentation, so that the images are the rendered scenes themselves (compared below).
+    rows = training_rows(Recipe(rows=40, augment_share=0.0, other_share=0.25, other_aux_only=aux_only), seed=0)
+    plain = training_rows(Recipe(rows=40, augment_share=0.0), seed=0)
+    assert len(rows) == 40
+    # The first 30 scenes are the train kind's own, the same as without the other renderer.
+    assert [r[0].tobytes() for r in rows[:30]] == [r[0].tobytes() for r in plain[:30]]
+    other = rows[30:]
+    assert all(question in PARAPHRASES for _, question, *_ in other)
+    assert all(answer == sum(cells) for _, _, answer, _, cells, _ in other)
+    assert [taught for *_, taught in other] == [not aux_only] * 10
+    assert all(taught for *_, taught in rows[:30])
+    assert not {q for _, q, *_ in other} & set(QUESTIONS["other"])
+    # None of them is a scene of an evaluation split of the other renderer.
+    from synthetic.splits import iter_scenes
+
+    evaluation = {image.tobytes() for image, _ in iter_scenes("other", 40, 0, (112, 112), (1, 6))}
+    assert not {r[0].tobytes() for r in other} & evaluation

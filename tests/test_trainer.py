@@ -397,3 +397,42 @@ def test_a_failing_round_writes_failed_status_with_the_reason(tmp_path, tiny_mod
     assert result.state == status["state"] == "failed"
     assert status["reason"].startswith(expected) and status["steps_done"] <= 1
     assert not (tmp_path / "run" / "merged").exists()
+
+
+def test_scoring_only_completion_positions_off_cuda_changes_nothing_in_a_round(tmp_path, tiny_model_dir,
+                                                                               tiny_split_dir, monkeypatch):
+    """Off CUDA a round's loss scores only the completion positions (trainer.cpu_loss, ~6x a step on a CPU); TRL's
+    own path, every position, gives the same losses and weights."""
+    from contextlib import nullcontext
+
+    from safetensors.torch import load_file
+
+    import trainer.round as round_module
+    from trainer import rewards
+    from trainer.config import TrialConfig
+    from trainer.round import MERGED_DIR, run_round
+
+    monkeypatch.setitem(rewards.REWARDS, "token_parity", token_parity)
+
+    def round_in(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+        config = TrialConfig(
+            model_path=str(tiny_model_dir), train_path=str(tiny_split_dir), output_dir=str(tmp_path / name),
+            reward_weights={"token_parity": 1.0}, steps=2, learning_rate=1e-3, num_generations=4,
+            prompts_per_step=2, generation_steps=1, max_completion_length=8, max_pixels=56 * 56,
+            gradient_checkpointing=False, lora_rank=0, seed=0,
+        )
+        result = run_round(config)
+        assert result.state == "completed", result.reason
+        lines = (tmp_path / name / "progress.jsonl").read_text().splitlines()
+        weights = load_file(tmp_path / name / MERGED_DIR / "model.safetensors")
+        return [json.loads(line)["loss"] for line in lines], weights
+
+    compact_losses, compact_weights = round_in("completions-only")
+    with monkeypatch.context() as patch:
+        patch.setattr(round_module, "completion_positions_only", nullcontext)  # TRL's own path off CUDA
+        losses, weights = round_in("every-position")
+    assert any(loss != 0 for loss in losses)  # the reward varied, so the loss trained something
+    assert compact_losses == pytest.approx(losses, rel=1e-5, abs=1e-7)
+    assert weights.keys() == compact_weights.keys()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(compact_weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from trl import GRPOConfig
 from evaluator.generation import generate_completions
 from evaluator.protocol import extract_answer, parse_gold
 from trainer.config import ConfigError, TrialConfig
+from trainer.cpu_loss import completion_positions_only
 from trainer.data import build_ood_subset, build_train_dataset
 from trainer.layout import BatchLayout, batch_layout
 from trainer.progress import FORMAT_RATE, PROGRESS_FILE, ProgressCallback, StopRequest, format_rate
@@ -92,7 +94,8 @@ def run_round(config: TrialConfig) -> RoundResult:
         timings["setup"] = time.monotonic() - start
 
         began = time.monotonic()
-        trainer.train()
+        with nullcontext() if distributed.device.type == "cuda" else completion_positions_only():
+            trainer.train()
         timings["train"] = time.monotonic() - began
         steps_done = trainer.state.global_step
 
