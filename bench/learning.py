@@ -80,6 +80,7 @@ tower, and that carries to the other renderer: +16 to +25 points on both held-ou
 shuffled rounds, which see no count in the image, move by at most 1.3 points. This is synthetic.teach.DEMO_RECIPE,
 the base model of `run_search.py --demo` and of tests/test_learning.py; its base accuracy is below the 30-60% aimed
 for, the price of a model whose other-renderer errors are in the answer and not in what it sees.
+
 The base answers 2 to almost every row (the mode of the biased prior: 2 objects, and 3 taught as 2), so its accuracy
 is the share of 2-object rows. On this machine's CPU (2 cores; the model taught on the CPU ends on the same plateau,
 answer loss 0.184), DEMO_RECIPE, teach seed 0, n_train 256, n_eval 200, GRPO seed 0, gains with their 95% interval

@@ -10,6 +10,13 @@ with its own study, runs and submission folders, and every round's weights kept 
 round's merged model is still there to score. The demo's taught model and box (under ./built) are shared with the
 demo and built by the search when missing. Figures: accuracy with its Wilson 95% interval, and the paired difference
 promoted - baseline on the same rows with its 95% interval (bench/learning.py's statistics).
+
+Measured on this machine's CPU (2 cores), --hours 0.25, n_eval 300 (bench/results/2026-12-03-cpu-search-vs-baseline.*):
+five trials in 15 minutes (strong 22.9% on ood_val, baseline 37.5%, one sampled round pruned at step 4, one at
+35.4%, one refused for time). The baseline round led, so the promoted model is the baseline's: promoted - baseline
++0.0 on both splits, not the win (c) asks for. Both are well above the taught base: other 15.0% -> 27.7% (+12.7
+[+6.1, +19.2]), compositional 13.7% -> 31.0% (+17.3 [+10.3, +24.4]). With this budget the search has too few
+rounds past its two warm starts for the sampler to find a better one.
 """
 
 from __future__ import annotations
