@@ -180,17 +180,18 @@ def _build_demo_box(settings: Settings) -> None:
     import datasets
 
     datasets.disable_progress_bars()  # a few hundred rows: the bars would only bury the search's own lines
-    from synthetic.teach import DEMO_RECIPE, TEACH_FILE
+    from synthetic.teach import DEMO_RECIPE, taught_as
 
     recipe = DEMO_RECIPE
     model = Path(settings.model_path)
-    if not (model / TEACH_FILE).is_file():
+    if not taught_as(model, settings.seed, recipe):  # not built yet, or built by an older demo: (re)built
         import torch
 
         from synthetic.teach import build_counting_model
 
-        # A small Qwen2-VL taught by SFT to answer in the verifier's format and to count roughly (minutes on a CPU,
-        # about one on a GPU): a base that GRPO can improve, unlike a random model that never writes a parsable answer.
+        # A small Qwen2-VL taught by SFT to answer in the verifier's format (minutes on a CPU, about one on a GPU): a
+        # base that a GRPO round measurably improves (tests/test_learning.py), unlike a random model that never writes
+        # a parsable answer.
         device = "cuda" if torch.cuda.is_available() else "cpu"
         print(f"demo: teaching a small Qwen2-VL to count in {model} on {device}", flush=True)
         _build_into(

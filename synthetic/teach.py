@@ -97,10 +97,8 @@ def build_counting_model(out_dir: str | Path, *, seed: int = 0, recipe: Recipe |
     wanted = {"seed": seed, "recipe": recipe.to_dict()}
     marker = out / TEACH_FILE
     if marker.is_file():
-        found = json.loads(marker.read_text())
-        # A recipe written before a field existed was taught with that field's default.
-        found_recipe = {**Recipe().to_dict(), **found.get("recipe", {})}
-        if {"seed": found.get("seed"), "recipe": found_recipe} != wanted:
+        if not taught_as(out, seed, recipe):
+            found = json.loads(marker.read_text())
             raise FileExistsError(f"{out} holds a model taught with another seed or recipe: {found.get('recipe')}")
         return out
     if out.exists() and any(out.iterdir()):
@@ -131,6 +129,17 @@ def build_counting_model(out_dir: str | Path, *, seed: int = 0, recipe: Recipe |
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return out
+
+
+def taught_as(out_dir: str | Path, seed: int, recipe: Recipe) -> bool:
+    """Whether `out_dir` holds a finished model taught with this seed and recipe."""
+    try:
+        found = json.loads((Path(out_dir) / TEACH_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    # A recipe written before a field existed was taught with that field's default.
+    found_recipe = {**Recipe().to_dict(), **(found.get("recipe") or {})}
+    return found.get("seed") == seed and found_recipe == recipe.to_dict()
 
 
 # Other ways of asking for the number of objects. The real base model arrives able to read any phrasing; a model

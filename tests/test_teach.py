@@ -3,12 +3,13 @@
 Whether a GRPO round then improves it from the image is tests/test_learning.py's question.
 """
 
+import dataclasses
 import json
 
 import pytest
 from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
-from synthetic.teach import TEACH_FILE, Recipe, build_counting_model
+from synthetic.teach import TEACH_FILE, Recipe, build_counting_model, taught_as
 
 
 def test_a_short_teaching_run_saves_a_model_the_verifier_loads_and_reuses_it(tmp_path):
@@ -21,6 +22,14 @@ def test_a_short_teaching_run_saves_a_model_the_verifier_loads_and_reuses_it(tmp
     assert build_counting_model(folder, seed=0, recipe=recipe, log=None) == folder  # reused, not rebuilt
     with pytest.raises(FileExistsError, match="another seed or recipe"):
         build_counting_model(folder, seed=1, recipe=recipe, log=None)
+    assert taught_as(folder, 0, recipe)
+    assert not taught_as(folder, 1, recipe)
+    assert not taught_as(folder, 0, dataclasses.replace(recipe, other_share=0.5))
+    assert not taught_as(tmp_path / "missing", 0, recipe)
+    # A marker written before a recipe field existed reads as that field's default.
+    del marker["recipe"]["other_share"]
+    (folder / TEACH_FILE).write_text(json.dumps(marker))
+    assert taught_as(folder, 0, recipe)
 
 
 def test_paraphrases_are_not_evaluation_questions():
