@@ -85,7 +85,8 @@ The base answers 2 to almost every row (the mode of the biased prior: 2 objects,
 is the share of 2-object rows. On this machine's CPU (2 cores; the model taught on the CPU ends on the same plateau,
 answer loss 0.184), DEMO_RECIPE, teach seed 0, n_train 256, n_eval 200, GRPO seed 0, gains with their 95% interval
 (bench/results/2026-12-03-cpu-learning.jsonl): base 16.5 / 14.5; 40-step round image +18.0 [+8.9, +27.1] / +17.5
-[+9.2, +25.8], blank +0.0 / +0.0 (no greedy answer changed); 30-step round image +9.0 [+0.2, +17.8] / +20.0 [+12.0,
+[+9.2, +25.8] (GRPO seed 1: +15.0 [+9.8, +20.2] / +17.0 [+11.6, +22.4]), blank +0.0 / +0.0 in both (no greedy
+answer changed); 30-step round image +9.0 [+0.2, +17.8] / +20.0 [+12.0,
 +28.0], blank +0.0 / +0.0. (Other 0.25 taught for 200 steps instead: the same base accuracy, and a 30-step round
 changes no greedy answer.) tests/test_learning.py asserts the 40-step figures' margins.
 """
