@@ -216,6 +216,12 @@ def score(model_dir: Path, split: Path, max_new_tokens: int = 32, batch_size: in
             "sample": [c.text for c in completions[:3]]}
 
 
+def accuracy_entry(scored: dict[str, Any]) -> dict[str, Any]:
+    """A `score` result as figures: correct rows, n, accuracy and its Wilson interval (percent), format rate."""
+    k, n = sum(scored["correct"]), scored["n"]
+    return {"correct": k, "n": n, "accuracy": 100 * k / n, "ci": wilson(k, n), "format_rate": scored["format_rate"]}
+
+
 @dataclass(frozen=True)
 class RoundRecipe:
     """The GRPO round of the experiment (the TrialConfig fields it varies); every arm of a run trains with it."""
@@ -295,9 +301,7 @@ def experiment(setup: Setup, recipe: RoundRecipe, *, controls=CONTROLS, kinds=HE
             key = (str(model), str(setup.split(kind)))
             if key not in scores:
                 scores[key] = score(model, setup.split(kind), device=setup.device)
-            s = scores[key]
-            k, n = sum(s["correct"]), s["n"]
-            entry = {"correct": k, "n": n, "accuracy": 100 * k / n, "ci": wilson(k, n), "format_rate": s["format_rate"]}
+            entry = accuracy_entry(scores[key])
             if arm != "base":
                 entry["gain"] = paired_difference(scores[(str(setup.model), str(setup.split(kind)))]["correct"],
                                                   s["correct"])

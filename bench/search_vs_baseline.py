@@ -33,11 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.learning import paired_difference, score, wilson  # noqa: E402
+from bench.learning import accuracy_entry, paired_difference, score  # noqa: E402
+from search.leaderboard import BASELINE  # noqa: E402  (the warm start the leaderboard compares against)
 
 DEMO_BUDGET = ROOT / "search" / "demo_budget.yaml"
 KINDS = ("other", "compositional")
-BASELINE = "baseline"  # the warm start's name in the budget file (search.leaderboard's reference too)
 
 
 def budget_copy(work: Path) -> Path:
@@ -96,11 +96,7 @@ def compare(models: dict[str, Path], work: Path, n_eval: int, seed: int, device:
         if not split.is_dir():
             write_split(split, kind, n_eval, seed, recipe.image_size, recipe.count_range)
         scores = {arm: score(model, split, device=device) for arm, model in models.items()}
-        entry: dict[str, Any] = {}
-        for arm, s in scores.items():
-            k, n = sum(s["correct"]), s["n"]
-            entry[arm] = {"correct": k, "n": n, "accuracy": 100 * k / n, "ci": wilson(k, n),
-                          "format_rate": s["format_rate"]}
+        entry: dict[str, Any] = {arm: accuracy_entry(s) for arm, s in scores.items()}
         entry["promoted_minus_baseline"] = paired_difference(scores["baseline"]["correct"],
                                                              scores["promoted"]["correct"])
         entry["promoted_minus_base"] = paired_difference(scores["base"]["correct"], scores["promoted"]["correct"])
