@@ -304,7 +304,7 @@ def experiment(setup: Setup, recipe: RoundRecipe, *, controls=CONTROLS, kinds=HE
             entry = accuracy_entry(scores[key])
             if arm != "base":
                 entry["gain"] = paired_difference(scores[(str(setup.model), str(setup.split(kind)))]["correct"],
-                                                  s["correct"])
+                                                  scores[key]["correct"])
             result["arms"][arm][kind] = entry
     return result
 
