@@ -82,6 +82,27 @@ def arms(budget: Path) -> dict[str, Path]:
     return {"base": Path(settings.model_path), "promoted": Path(settings.submission_path), "baseline": merged[0]}
 
 
+def trials(budget: Path) -> list[dict[str, Any]]:
+    """Every trial of the search: its recipe, state and ood_val accuracy (what it was selected on)."""
+    from search.settings import load_settings
+    from search.study import load_existing_study
+
+    study = load_existing_study(load_settings(budget))
+    return [{"trial": t.number, "recipe": t.user_attrs.get("recipe"), "state": t.state.name, "ood_val": t.value,
+             "steps": t.params.get("steps"), "lora_rank": t.params.get("lora_rank")}
+            for t in study.get_trials(deepcopy=False)]
+
+
+def machine(device: str) -> str:
+    import os
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    return f"cpu, {os.cpu_count()} cores"
+
+
 def compare(models: dict[str, Path], work: Path, n_eval: int, seed: int, device: str) -> dict[str, Any]:
     import datasets
 
@@ -133,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.work / "budget.yaml" if args.score_only else budget_copy(args.work)
     if not args.score_only:
         run_search(budget, args.hours)
-    result = {"hours": args.hours, **compare(arms(budget), args.work, args.n_eval, args.seed, args.device)}
+    result = {"hours": args.hours, "machine": machine(args.device), "trials": trials(budget),
+              **compare(arms(budget), args.work, args.n_eval, args.seed, args.device)}
     print(format_result(result), flush=True)
     if args.out:
         with args.out.open("a") as handle:

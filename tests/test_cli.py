@@ -130,3 +130,16 @@ def test_simulate_runs_a_whole_search_without_a_box(tmp_path):
     assert board.returncode == 0, board.stderr
     assert board.stdout.splitlines()[0].startswith("study rehearsal: Best: trial")
     assert "baseline*" in board.stdout
+
+
+def test_the_demo_rerenders_a_box_of_other_sizes(tmp_path):
+    """A box rendered by an older demo (other row counts) is not reused as the current demo's box."""
+    sys.path.insert(0, str(ROOT))
+    from run_search import _box_has_sizes
+    from synthetic.splits import write_box
+
+    sizes = {"train": 3, "val": 2, "ood_val": 4, "test_compositional": 2, "test_other": 2}
+    assert not _box_has_sizes(tmp_path / "box", sizes)  # nothing rendered yet
+    write_box(tmp_path / "box", sizes, image_size=(32, 32), count_range=(1, 3))
+    assert _box_has_sizes(tmp_path / "box", sizes)
+    assert not _box_has_sizes(tmp_path / "box", {**sizes, "ood_val": 5})
