@@ -79,6 +79,8 @@ class LocalBackend:
         health check. Subsets are seeded with the study's seed, so every round is scored on the same rows."""
         s = self.settings
         common = ["--batch-size", str(s.eval_batch_size)] if s.eval_batch_size else []
+        if not s.eval_static_cache:
+            common.append("--dynamic-cache")
         ood = [*self.evaluator_command, str(merged), s.ood_val_path, "--out", str(run_dir / "ood_eval.json")]
         if s.ood_rows:
             ood += ["--limit", str(s.ood_rows), "--seed", str(s.seed)]

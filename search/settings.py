@@ -79,6 +79,7 @@ class Settings:
     prune_every: int
     val_rows: int
     eval_batch_size: int | None
+    eval_static_cache: bool
     sampler: dict
     pruner: dict
     seed: int
@@ -204,6 +205,12 @@ def _integer(key: str, value: Any, *, low: int, high: int | None = None) -> int:
     return value
 
 
+def _boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise SettingsError(f"{key}: must be true or false, got {value!r}")
+    return value
+
+
 def _optional(check: Callable[..., Any], **bounds: Any) -> Callable[[str, Any], Any]:
     return lambda key, value: None if value is None else check(key, value, **bounds)
 
@@ -269,6 +276,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "prune_every": lambda k, v: _integer(k, v, low=0),
     "val_rows": lambda k, v: _integer(k, v, low=0),
     "eval_batch_size": _optional(_integer, low=1),
+    "eval_static_cache": lambda k, v: _boolean(k, v),
     "sampler": _factory(SAMPLERS),
     "pruner": _factory(PRUNERS),
     "seed": lambda k, v: _integer(k, v, low=0, high=2**32 - 1),

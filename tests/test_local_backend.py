@@ -140,6 +140,7 @@ def test_a_round_trains_then_is_scored_on_ood_and_val(backend, tmp_path, monkeyp
     assert val_argv[val_argv.index("--limit") + 1] == "5" and val_argv[val_argv.index("--seed") + 1] == "7"
     ood_argv = json.loads((run_dir / "ood_eval.json").read_text())["argv"]
     assert "--limit" not in ood_argv  # ood_rows null: all of ood_val
+    assert "--dynamic-cache" not in ood_argv + val_argv  # budget.yaml: the static cache
     assert (run_dir / "train.log").exists() and (run_dir / "eval.log").exists()
 
 
@@ -279,3 +280,11 @@ def test_a_real_round_end_to_end_on_the_tiny_model(tmp_path, tiny_model_dir, mon
     assert set(outcome.timings) == {"setup", "train", "save", "eval"} and min(outcome.timings.values()) > 0
     assert json.loads((tmp_path / "round" / "ood_eval.json").read_text())["n"] == 3
     assert json.loads((tmp_path / "round" / "val_eval.json").read_text())["n"] == 2
+
+
+def test_eval_static_cache_false_decodes_every_evaluation_with_the_dynamic_cache(tmp_path):
+    backend = LocalBackend(make_settings(tmp_path, eval_static_cache=False, eval_batch_size=8))
+    commands = dict(backend.eval_commands(tmp_path / "merged", tmp_path / "round"))
+    assert set(commands) == {"ood", "val"}
+    for argv in commands.values():
+        assert "--dynamic-cache" in argv and argv[argv.index("--batch-size") + 1] == "8"

@@ -100,6 +100,7 @@ def test_hours_must_leave_room_for_one_round():
         ({"prune_rows": 2.5}, "prune_rows: must be an integer"),
         ({"prune_every": -1}, "prune_every: must be an integer >= 0"),
         ({"eval_batch_size": 0}, "eval_batch_size: must be an integer >= 1"),
+        ({"eval_static_cache": "yes"}, "eval_static_cache: must be true or false"),
         ({"seed": -1}, "seed: must be an integer in"),
         ({"min_format_rate": 150}, "min_format_rate: must be <= 100"),
         ({"keep_rounds": -1}, "keep_rounds: must be an integer >= 0"),
