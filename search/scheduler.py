@@ -3,7 +3,8 @@
 The deadline is a promise, so time decides first: a round starts only if a useful version of it fits before
 `deadline - reserve` (its steps are cut to fit, by the DurationModel, which refits on every finished round); a
 round that runs late is stopped early enough to be saved and scored within its allotment, and killed if it still
-runs past it; no round runs into the reserve. Rounds run side by side on disjoint GPU slots; Optuna's TPE treats
+runs past it; no round runs into the reserve. Rounds run side by side on disjoint GPU slots (several on each slot
+when `rounds_per_slot` says so); Optuna's TPE treats
 the RUNNING ones as bad points (constant liar), so parallel rounds do not sample the same configuration.
 
 Several schedulers may share one study (each on its own GPUs): each stamps its trials with a worker id and a
@@ -109,7 +110,9 @@ class Scheduler:
             self._slots: list[list[int]] = [[]]
         else:
             per = settings.gpus_per_trial
-            self._slots = [list(range(i * per, (i + 1) * per)) for i in range(settings.gpus // per)]
+            gpu_sets = [list(range(i * per, (i + 1) * per)) for i in range(settings.gpus // per)]
+            # Round-robin, so that rounds spread over the GPUs before they share one.
+            self._slots = [gpus for _ in range(settings.rounds_per_slot) for gpus in gpu_sets]
         self._running: dict[int, _Round] = {}  # slot index -> round
         self._closed: str | None = None  # why no more rounds start
         self._failures = 0  # consecutive failed rounds

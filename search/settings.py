@@ -66,6 +66,7 @@ class Settings:
     round_max_minutes: float
     gpus: int
     gpus_per_trial: int
+    rounds_per_slot: int
     model_path: str
     train_path: str
     val_path: str
@@ -277,6 +278,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "val_rows": lambda k, v: _integer(k, v, low=0),
     "eval_batch_size": _optional(_integer, low=1),
     "eval_static_cache": lambda k, v: _boolean(k, v),
+    "rounds_per_slot": lambda k, v: _integer(k, v, low=1),
     "sampler": _factory(SAMPLERS),
     "pruner": _factory(PRUNERS),
     "seed": lambda k, v: _integer(k, v, low=0, high=2**32 - 1),

@@ -76,6 +76,25 @@ def test_gpus_are_split_into_disjoint_slots(tmp_path):
     assert {tuple(t.user_attrs["gpus"]) for t in ran(scheduler.study)} == {(0, 1), (2, 3)}
 
 
+def test_rounds_per_slot_runs_several_rounds_on_one_gpu_at_once(tmp_path):
+    scheduler = scheduler_for(tmp_path, gpus=1, gpus_per_trial=1, rounds_per_slot=3)
+    run(scheduler)
+    rounds = ran(scheduler.study)
+    assert rounds and all(t.user_attrs["gpus"] == [0] for t in rounds)
+    # The most rounds running at one moment: three, never more.
+    starts = sorted(t.user_attrs["started_at"] for t in rounds)
+    at_once = max(sum(t.user_attrs["started_at"] <= s < t.user_attrs["ended_at"] for t in rounds) for s in starts)
+    assert at_once == 3
+
+
+def test_rounds_per_slot_is_ignored_on_a_cpu(tmp_path):
+    scheduler = scheduler_for(tmp_path, gpus=0, rounds_per_slot=3)
+    run(scheduler)
+    rounds = sorted(ran(scheduler.study), key=lambda t: t.user_attrs["started_at"])
+    for a, b in zip(rounds, rounds[1:]):
+        assert a.user_attrs["ended_at"] <= b.user_attrs["started_at"]
+
+
 def test_nothing_is_asked_when_no_useful_round_fits(tmp_path):
     # 19 minutes before the reserve, with 20-minute rounds at the least.
     scheduler = scheduler_for(tmp_path, clock_offset=3 * 3600 - 39 * 60)

@@ -93,6 +93,7 @@ def test_hours_must_leave_room_for_one_round():
         ({"gpus_per_trial": 3}, "gpus_per_trial: 3 is more than gpus"),
         ({"gpus": 3, "gpus_per_trial": 2}, "gpus_per_trial: 2 does not divide gpus"),
         ({"gpus_per_trial": 0}, "gpus_per_trial: must be an integer >= 1"),
+        ({"rounds_per_slot": 0}, "rounds_per_slot: must be an integer >= 1"),
         ({"model_path": ""}, "model_path: must be a non-empty string"),
         ({"study_name": None}, "study_name: must be a non-empty string"),
         ({"storage": 5}, "storage: must be a non-empty string"),
