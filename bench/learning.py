@@ -89,6 +89,12 @@ answer loss 0.184), DEMO_RECIPE, teach seed 0, n_train 256, n_eval 200, GRPO see
 answer changed); 30-step round image +9.0 [+0.2, +17.8] / +20.0 [+12.0,
 +28.0], blank +0.0 / +0.0. (Other 0.25 taught for 200 steps instead: the same base accuracy, and a 30-step round
 changes no greedy answer.) tests/test_learning.py asserts the 40-step figures' margins.
+
+The plateau is where teach seed 0 stops, not where every seed does. DEMO_RECIPE taught on the H200 with seeds 1 and
+2 (n_eval 300, blank control only, GRPO seed 0) left it: base 41.3 / 31.3 and 37.0 / 31.0, in the 30-60% range,
+and there the round does nothing beyond noise: image +0.3 / +0.0 and -2.3 [-4.9, +0.2] / +3.0 [+0.5, +5.5]; blank
+-37.0 / -22.7 (seed 1: the round on blanked images broke its format) and +0.0 / -0.3. What a round teaches here is
+to read the tower's count when the answer ignored it; a model that already reads it is not improved by one round.
 """
 
 from __future__ import annotations
