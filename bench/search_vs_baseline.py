@@ -16,7 +16,7 @@ Measured (teach seed 0; bench/results/2026-12-03-{cpu,h200}-search-vs-baseline.*
   trials; the baseline led on its 48 ood_val rows, so promoted - baseline +0.0 on both splits.
 - One H200, --hours 0.1, one round at a time: three trials (strong 27.0%, baseline 32.5%, one pruned); the baseline
   was promoted, +0.0. Base -> baseline: other 15.0% -> 28.7%, compositional 13.7% -> 35.3%.
-- One H200, --hours 0.12, rounds_per_slot 4: 19 trials in 7 minutes; promoted trial 2 (LoRA 8, lr 4.8e-4, 40 steps,
+- One H200, --hours 0.12, rounds_per_slot 4: 19 trials; promoted trial 2 (LoRA 8, lr 4.8e-4, 40 steps,
   41.5% on ood_val against the baseline's 32.5%). On 300 fresh rows: compositional 41.3% against 35.3%, +6.0
   [+2.5, +9.5]; other 30.7% against 28.7%, +2.0 [-1.8, +5.8]. Rescored on 1000 other fresh rows: compositional +5.0
   [+3.1, +6.9], other +0.7 [-1.5, +2.9]. The search beats the baseline on the compositional split, not on the

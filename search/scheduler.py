@@ -4,8 +4,8 @@ The deadline is a promise, so time decides first: a round starts only if a usefu
 `deadline - reserve` (its steps are cut to fit, by the DurationModel, which refits on every finished round); a
 round that runs late is stopped early enough to be saved and scored within its allotment, and killed if it still
 runs past it; no round runs into the reserve. Rounds run side by side on disjoint GPU slots (several on each slot
-when `rounds_per_slot` says so); Optuna's TPE treats
-the RUNNING ones as bad points (constant liar), so parallel rounds do not sample the same configuration.
+when `rounds_per_slot` says so); Optuna's TPE treats the RUNNING ones as bad points (constant liar), so parallel
+rounds do not sample the same configuration.
 
 Several schedulers may share one study (each on its own GPUs): each stamps its trials with a worker id and a
 heartbeat, and a RUNNING trial is declared orphaned only when its worker is provably dead (same host, no such

@@ -277,7 +277,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "prune_every": lambda k, v: _integer(k, v, low=0),
     "val_rows": lambda k, v: _integer(k, v, low=0),
     "eval_batch_size": _optional(_integer, low=1),
-    "eval_static_cache": lambda k, v: _boolean(k, v),
+    "eval_static_cache": _boolean,
     "rounds_per_slot": lambda k, v: _integer(k, v, low=1),
     "sampler": _factory(SAMPLERS),
     "pruner": _factory(PRUNERS),
