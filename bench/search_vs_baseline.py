@@ -69,15 +69,11 @@ def run_search(budget: Path, hours: float) -> None:
     subprocess.run(command, cwd=ROOT, check=True)
 
 
-def arms(budget: Path) -> dict[str, Path]:
+def arms(settings, study) -> dict[str, Path]:
     """The model folders compared: the taught base, the promoted model, the baseline round's merged model."""
     from search.promotion import promoted
-    from search.settings import load_settings
-    from search.study import load_existing_study
     from trainer.round import MERGED_DIR
 
-    settings = load_settings(budget)
-    study = load_existing_study(settings)
     marker = promoted(settings.submission_path)
     if marker is None:
         raise SystemExit(f"the search promoted nothing into {settings.submission_path}")
@@ -91,12 +87,8 @@ def arms(budget: Path) -> dict[str, Path]:
     return {"base": Path(settings.model_path), "promoted": Path(settings.submission_path), "baseline": merged[0]}
 
 
-def trials(budget: Path) -> list[dict[str, Any]]:
+def trials(study) -> list[dict[str, Any]]:
     """Every trial of the search: its recipe, state and ood_val accuracy (what it was selected on)."""
-    from search.settings import load_settings
-    from search.study import load_existing_study
-
-    study = load_existing_study(load_settings(budget))
     return [{"trial": t.number, "recipe": t.user_attrs.get("recipe"), "state": t.state.name, "ood_val": t.value,
              "steps": t.params.get("steps"), "lora_rank": t.params.get("lora_rank")}
             for t in study.get_trials(deepcopy=False)]
@@ -163,8 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.work / "budget.yaml" if args.score_only else budget_copy(args.work)
     if not args.score_only:
         run_search(budget, args.hours)
-    result = {"hours": args.hours, "machine": machine(args.device), "trials": trials(budget),
-              **compare(arms(budget), args.work, args.n_eval, args.seed, args.device)}
+    from search.settings import load_settings
+    from search.study import load_existing_study
+
+    settings = load_settings(budget)
+    study = load_existing_study(settings)  # loaded once: the trials listed and the arms scored come from it
+    result = {"hours": args.hours, "machine": machine(args.device), "trials": trials(study),
+              **compare(arms(settings, study), args.work, args.n_eval, args.seed, args.device)}
     print(format_result(result), flush=True)
     if args.out:
         with args.out.open("a") as handle:

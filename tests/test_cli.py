@@ -132,9 +132,9 @@ def test_simulate_runs_a_whole_search_without_a_box(tmp_path):
     assert "baseline*" in board.stdout
 
 
-def test_the_demo_rerenders_a_box_of_other_sizes(tmp_path):
+def test_the_demo_rerenders_a_box_of_other_sizes(tmp_path, monkeypatch):
     """A box rendered by an older demo (other row counts) is not reused as the current demo's box."""
-    sys.path.insert(0, str(ROOT))
+    monkeypatch.syspath_prepend(str(ROOT))
     from run_search import _box_has_sizes
     from synthetic.splits import write_box
 

@@ -61,8 +61,9 @@ def ran(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return [t for t in study.trials if "started_at" in t.user_attrs]
 
 
-def test_a_cpu_search_runs_one_round_at_a_time(tmp_path):
-    scheduler = scheduler_for(tmp_path, gpus=0)
+@pytest.mark.parametrize("rounds_per_slot", [1, 3])  # rounds_per_slot is for GPUs: ignored on a CPU
+def test_a_cpu_search_runs_one_round_at_a_time(tmp_path, rounds_per_slot):
+    scheduler = scheduler_for(tmp_path, gpus=0, rounds_per_slot=rounds_per_slot)
     run(scheduler)
     rounds = sorted(ran(scheduler.study), key=lambda t: t.user_attrs["started_at"])
     assert len(rounds) >= 3 and all(t.user_attrs["gpus"] == [] for t in rounds)
@@ -85,14 +86,6 @@ def test_rounds_per_slot_runs_several_rounds_on_one_gpu_at_once(tmp_path):
     starts = sorted(t.user_attrs["started_at"] for t in rounds)
     at_once = max(sum(t.user_attrs["started_at"] <= s < t.user_attrs["ended_at"] for t in rounds) for s in starts)
     assert at_once == 3
-
-
-def test_rounds_per_slot_is_ignored_on_a_cpu(tmp_path):
-    scheduler = scheduler_for(tmp_path, gpus=0, rounds_per_slot=3)
-    run(scheduler)
-    rounds = sorted(ran(scheduler.study), key=lambda t: t.user_attrs["started_at"])
-    for a, b in zip(rounds, rounds[1:]):
-        assert a.user_attrs["ended_at"] <= b.user_attrs["started_at"]
 
 
 def test_nothing_is_asked_when_no_useful_round_fits(tmp_path):
