@@ -87,7 +87,7 @@ class Settings:
     min_format_rate: float
     keep_rounds: int
     hang_minutes: float
-    duration_prior_scale: float
+    duration_prior_scale: float  # resolved for the device the rounds run on (a `{gpu, cpu}` mapping in the file)
     space: dict
     fixed: dict
     warm_starts: list[dict]
@@ -121,6 +121,7 @@ def load_settings(
     values["warm_starts"] = _check_warm_starts(raw["warm_starts"], values["space"])
     values["gpus"] = _resolve_gpus(raw["gpus"])
     values["gpus_per_trial"] = _check_gpus_per_trial(raw["gpus_per_trial"], values["gpus"])
+    values["duration_prior_scale"] = _resolve_prior_scale(raw["duration_prior_scale"], values["gpus"])
     settings = Settings(**values)
     _check_consistency(settings)
     return settings
@@ -285,7 +286,6 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "min_format_rate": lambda k, v: _number(k, v, low=0, high=100),
     "keep_rounds": lambda k, v: _integer(k, v, low=0),
     "hang_minutes": lambda k, v: _number(k, v, low=0, low_open=True),
-    "duration_prior_scale": lambda k, v: _number(k, v, low=0, low_open=True),
 }
 
 
@@ -308,6 +308,17 @@ def _check_gpus_per_trial(value: Any, gpus: int) -> int:
     if gpus % per_trial:
         raise SettingsError(f"gpus_per_trial: {per_trial} does not divide gpus ({gpus}); a GPU would sit idle")
     return per_trial
+
+
+def _resolve_prior_scale(value: Any, gpus: int) -> float:
+    """One positive number, or {gpu: number, cpu: number}: the value for where the rounds run (gpus 0 = the CPU)."""
+    key = "duration_prior_scale"
+    if not isinstance(value, Mapping):
+        return _number(key, value, low=0, low_open=True)
+    if set(value) != {"gpu", "cpu"}:
+        raise SettingsError(f"{key}: a mapping must have exactly the keys gpu and cpu, got {sorted(map(str, value))}")
+    scales = {device: _number(f"{key}.{device}", value[device], low=0, low_open=True) for device in ("gpu", "cpu")}
+    return scales["gpu" if gpus else "cpu"]
 
 
 def _check_space(value: Any) -> dict:

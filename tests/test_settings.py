@@ -58,6 +58,20 @@ def test_demo_budget_has_the_same_keys_and_loads():
     assert settings.model_path.endswith("built/demo-counting-model")
 
 
+@pytest.mark.parametrize("gpus, expected", [(0, 1.0), (2, 0.1)])
+def test_duration_prior_scale_per_device(tmp_path, gpus, expected):
+    budget = write_budget(tmp_path, {"gpus": gpus, "duration_prior_scale": {"gpu": 0.1, "cpu": 1.0}})
+    assert load_settings(budget).duration_prior_scale == expected
+    # One number serves both.
+    assert load_settings(write_budget(tmp_path, {"gpus": gpus, "duration_prior_scale": 3})).duration_prior_scale == 3.0
+
+
+def test_demo_prior_scale_follows_the_device():
+    import torch
+
+    assert load_settings(DEMO_BUDGET).duration_prior_scale == (0.1 if torch.cuda.device_count() else 1.0)
+
+
 def test_overrides():
     settings = load_settings(BUDGET, hours=2.0, storage="postgresql://u@h/db", study_name="other")
     assert (settings.hours, settings.storage, settings.study_name) == (2.0, "postgresql://u@h/db", "other")
@@ -94,6 +108,9 @@ def test_hours_must_leave_room_for_one_round():
         ({"gpus": 3, "gpus_per_trial": 2}, "gpus_per_trial: 2 does not divide gpus"),
         ({"gpus_per_trial": 0}, "gpus_per_trial: must be an integer >= 1"),
         ({"rounds_per_slot": 0}, "rounds_per_slot: must be an integer >= 1"),
+        ({"duration_prior_scale": 0}, "duration_prior_scale: must be > 0"),
+        ({"duration_prior_scale": {"gpu": 1.0}}, r"duration_prior_scale: a mapping must have exactly the keys gpu"),
+        ({"duration_prior_scale": {"gpu": 1.0, "cpu": -2}}, "duration_prior_scale.cpu: must be > 0"),
         ({"model_path": ""}, "model_path: must be a non-empty string"),
         ({"study_name": None}, "study_name: must be a non-empty string"),
         ({"storage": 5}, "storage: must be a non-empty string"),
