@@ -338,6 +338,12 @@ def experiment(setup: Setup, recipe: RoundRecipe, *, controls=CONTROLS, kinds=HE
     return result
 
 
+def format_entry(arm: str, kind: str, e: dict[str, Any]) -> str:
+    """One `accuracy_entry` as a line: arm, kind, correct/n, accuracy [Wilson interval], format rate."""
+    return (f"  {arm:8s} {kind:13s} {e['correct']:4d}/{e['n']:<4d} = {e['accuracy']:5.1f}% "
+            f"[{e['ci'][0]:5.1f}, {e['ci'][1]:5.1f}]  format {100 * e['format_rate']:5.1f}%")
+
+
 def format_result(result: dict[str, Any]) -> str:
     r = result["round"]
     lines = [f"teach seed {result['seed']}, grpo seed {r['seed']}: {r['steps']} steps x {r['prompts_per_step']} "
@@ -346,8 +352,7 @@ def format_result(result: dict[str, Any]) -> str:
              ", ".join(f"{arm} {s:.1f}" for arm, s in result["step_seconds"].items())]
     for arm, by_kind in result["arms"].items():
         for kind, e in by_kind.items():
-            line = (f"  {arm:8s} {kind:13s} {e['correct']:4d}/{e['n']:<4d} = {e['accuracy']:5.1f}% "
-                    f"[{e['ci'][0]:5.1f}, {e['ci'][1]:5.1f}]  format {100 * e['format_rate']:5.1f}%")
+            line = format_entry(arm, kind, e)
             if "gain" in e:
                 g = e["gain"]
                 line += f"  gain {g['diff']:+5.1f} pts [{g['low']:+5.1f}, {g['high']:+5.1f}]"
@@ -403,10 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             prepare(setup)
             for kind in EVAL_KINDS:
                 s = score(setup.model, setup.split(kind), device=setup.device)
-                k, n = sum(s["correct"]), s["n"]
-                lo, hi = wilson(k, n)
-                print(f"seed {seed} base {kind:13s} {k}/{n} = {100 * k / n:.1f}% [{lo:.1f}, {hi:.1f}] "
-                      f"format {100 * s['format_rate']:.1f}%  e.g. {s['sample'][0]!r}", flush=True)
+                print(f"seed {seed}{format_entry('base', kind, accuracy_entry(s))}  e.g. {s['sample'][0]!r}",
+                      flush=True)
             continue
         for grpo_seed in args.grpo_seeds:
             recipe = RoundRecipe(args.steps, args.learning_rate, args.lora_rank, args.train_vision,
