@@ -70,6 +70,10 @@ class Recipe:
     # Whether those rows train only the vision tower's auxiliary per-cell loss (the tower learns to see the other
     # renderer's objects; the answer is taught on condition A alone) instead of the answer as well.
     other_aux_only: bool = False
+    # Steps before `steps` that train only the vision tower's auxiliary per-cell loss, on the same rows (every answer
+    # masked): a tower that reads the objects well before the answer is taught, as the real base model's vision was
+    # pretrained before its language model learned to count with it. One learning-rate schedule spans both phases.
+    tower_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
@@ -254,10 +258,12 @@ def teach(model: Any, processor: Any, recipe: Recipe, seed: int, log=print) -> d
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=recipe.weight_decay)
 
+    total_steps = recipe.tower_steps + recipe.steps
+
     def lr_factor(step: int) -> float:  # linear warmup, cosine decay to 10%
         if step < recipe.warmup_steps:
             return (step + 1) / recipe.warmup_steps
-        progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+        progress = (step - recipe.warmup_steps) / max(1, total_steps - recipe.warmup_steps)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     # The auxiliary loss: a linear read-out of every merged image token (the vision tower's output, what the language
@@ -273,7 +279,7 @@ def teach(model: Any, processor: Any, recipe: Recipe, seed: int, log=print) -> d
     pool: list[int] = []
     curve, window, aux_window, aux_curve = [], [], [], []
     began = time.perf_counter()
-    for step in range(recipe.steps):
+    for step in range(total_steps):
         if len(pool) < recipe.batch_size:
             fresh = list(range(len(rows)))
             order.shuffle(fresh)
@@ -281,7 +287,7 @@ def teach(model: Any, processor: Any, recipe: Recipe, seed: int, log=print) -> d
         batch, pool = [rows[i] for i in pool[: recipe.batch_size]], pool[recipe.batch_size:]
         inputs, labels = build_batch(processor, batch)
         inputs, labels = {k: v.to(model.device) for k, v in inputs.items()}, labels.to(model.device)
-        labels[[not row[5] for row in batch]] = -100  # rows that teach the vision tower only
+        labels[[step < recipe.tower_steps or not row[5] for row in batch]] = -100  # rows that teach the tower only
         # Only the positions that predict a target token: logits of position t predict token t+1.
         logits = model(**inputs, logits_to_keep=labels.shape[1] + 1).logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
@@ -298,12 +304,12 @@ def teach(model: Any, processor: Any, recipe: Recipe, seed: int, log=print) -> d
         scheduler.step()
         window.append(loss.item())
         aux_window.append(aux.item())
-        if len(window) == 10 or step == recipe.steps - 1:
+        if len(window) == 10 or step == total_steps - 1:
             curve.append(sum(window) / len(window))
             aux_curve.append(sum(aux_window) / len(aux_window))
             window, aux_window = [], []
             if log is not None:
-                log(f"teach: step {step + 1}/{recipe.steps} loss {curve[-1]:.3f} aux {aux_curve[-1]:.3f} "
+                log(f"teach: step {step + 1}/{total_steps} loss {curve[-1]:.3f} aux {aux_curve[-1]:.3f} "
                     f"({time.perf_counter() - began:.0f}s)")
     hook.remove()
     model.eval()

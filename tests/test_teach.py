@@ -32,6 +32,23 @@ def test_a_short_teaching_run_saves_a_model_the_verifier_loads_and_reuses_it(tmp
     assert taught_as(folder, 0, recipe)
 
 
+def test_tower_steps_train_the_vision_tower_and_leave_the_language_model_alone(tmp_path):
+    import torch
+
+    from synthetic.models import build_model
+    from synthetic.teach import teach
+
+    build_model(tmp_path / "model", size="counting", seed=0)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    processor = AutoProcessor.from_pretrained(tmp_path / "model")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    recipe = Recipe(rows=16, tower_steps=2, steps=0, batch_size=4, warmup_steps=1)
+    losses = teach(model, processor, recipe, seed=0, log=None)
+    changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and all(name.startswith("model.visual.") for name in changed), sorted(changed)[:5]
+    assert losses["answer_loss"] == [0.0] and losses["aux_loss"][0] > 0
+
+
 def test_paraphrases_are_not_evaluation_questions():
     from synthetic.scenes import QUESTIONS
     from synthetic.teach import PARAPHRASES
