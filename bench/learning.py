@@ -118,6 +118,24 @@ renderer, which rounds on condition-A images do not change (nor, above, training
 raises the band (33 -> 45) but moves the base into the answer-reads-the-tower regime where rounds gain less. A
 taught model whose other-renderer errors are answer-side, and not all fixed by the baseline's 20 steps, is still to
 be found. (Also tried: other rows tower-only for 1200 steps, base 17.7 / 15.3: neither round changed an answer.)
+
+A tower taught first (`--tower-steps`, synthetic.teach.Recipe.tower_steps: steps of the per-cell loss alone before
+the answer is taught, as a real model's vision is pretrained before it learns to count). H200, DEMO_RECIPE's rows,
+n_eval 300, GRPO seed 0, after one round (bench/results/2026-12-03-h200-tower-steps.txt and -learning.jsonl):
+
+    tower + answer steps (base comp / other)   default round: comp / other    baseline-like: comp / other
+    800 + 100 (31.3 / 35.3)                    46.3 / 41.0                    35.7 / 29.7
+    1200 + 150 (32.7 / 34.3)                   51.7 / 42.3                    46.0 / 42.0
+    800 + 200 (38.3 / 36.7)                    44.0 / 40.0                    44.7 / 41.0
+    800 + 400 (51.7 / 37.0)                    52.0 / 46.7                    54.3 / 49.3
+
+Base accuracies now in the 30-60% aimed for on both held-out splits, and the default round gains on both beyond
+noise with the shorter answer phases (1200 + 150: +19.0 [+14.3, +23.7] / +8.0 [+3.7, +12.3]); the baseline-like
+round matches it on "other" except at 800 + 100. On this machine's CPU (bench/results/2026-12-03-cpu-learning.jsonl),
+1200 + 150 is the same kind of model: base 30.7 / 33.0, default round 46.3 / 43.7 (+15.7 [+11.0, +20.4] / +10.7
+[+6.5, +14.8]), baseline-like 44.7 / 43.7; 800 + 100 is not (base 46.0 / 39.7, and both rounds lower it: -13.3 /
+-2.0 and -12.0 / -9.7). So 1200 + 150 is a candidate for the demo's taught model, with its base in range on both
+machines, and its "other" split is still reached by the baseline-like round; one GRPO seed each, no controls yet.
 """
 
 from __future__ import annotations
