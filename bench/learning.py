@@ -112,7 +112,7 @@ phrasing, not the baseline's think-format reward and inherited phrasing):
     DEMO_RECIPE, 1200 steps, teach seed 1      default; baseline-like              39.7 / 33.3; 41.3 / 32.7
       (31.7 / 29.3)
 
-Each taught model's "other" accuracy ends in a band of its own (31-36, 42-45), whatever the round, and a 20-step
+Each taught model's "other" accuracy ends in a band of its own (31-36, 39-45), whatever the round, and a 20-step
 round with the baseline's optimizer already reaches it: the band is what the taught tower reads of the other
 renderer, which rounds on condition-A images do not change (nor, above, training the tower itself). Longer SFT
 raises the band (33 -> 45) but moves the base into the answer-reads-the-tower regime where rounds gain less. A
