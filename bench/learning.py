@@ -87,7 +87,8 @@ answer loss 0.184), DEMO_RECIPE, teach seed 0, n_train 256, n_eval 200, GRPO see
 (bench/results/2026-12-03-cpu-learning.jsonl): base 16.5 / 14.5; 40-step round image +18.0 [+8.9, +27.1] / +17.5
 [+9.2, +25.8] (GRPO seed 1: +15.0 [+9.8, +20.2] / +17.0 [+11.6, +22.4]), blank +0.0 / +0.0 in both (no greedy
 answer changed); 30-step round image +9.0 [+0.2, +17.8] / +20.0 [+12.0, +28.0], blank +0.0 / +0.0. (Other 0.25
-taught for 200 steps instead: the same base accuracy, and a 30-step round changes no greedy answer.) tests/test_learning.py asserts the 40-step figures' margins.
+taught for 200 steps instead: the same base accuracy, and a 30-step round changes no greedy answer.)
+tests/test_learning.py asserts the 40-step figures' margins.
 
 The plateau is where teach seed 0 stops, not where every seed does. DEMO_RECIPE taught on the H200 with seeds 1 and
 2 (n_eval 300, blank control only, GRPO seed 0) left it: base 41.3 / 31.3 and 37.0 / 31.0, in the 30-60% range,
