@@ -116,9 +116,30 @@ phrasing, not the baseline's think-format reward and inherited phrasing):
 Each taught model's "other" accuracy ends in a band of its own (31-36, 39-45), whatever the round, and a 20-step
 round with the baseline's optimizer already reaches it: the band is what the taught tower reads of the other
 renderer, which rounds on condition-A images do not change (nor, above, training the tower itself). Longer SFT
-raises the band (33 -> 45) but moves the base into the answer-reads-the-tower regime where rounds gain less. A
-taught model whose other-renderer errors are answer-side, and not all fixed by the baseline's 20 steps, is still to
-be found. (Also tried: other rows tower-only for 1200 steps, base 17.7 / 15.3: neither round changed an answer.)
+raises the band (33 -> 45) but moves the base into the answer-reads-the-tower regime where rounds gain less. (Also
+tried: other rows tower-only for 1200 steps, base 17.7 / 15.3: neither round changed an answer.)
+
+The baseline itself (`--warm-start baseline`: the demo's baseline warm start as it is, with its think-format reward,
+KL 0.04, GRPO loss and inherited phrasing, not only its optimizer) does not reach the band. H200, DEMO_RECIPE, teach
+seed 0, n_eval 300, accuracy after one round, compositional / other, GRPO seeds 0-5:
+
+    GRPO seed   default round   --warm-start baseline   --warm-start strong (LoRA 8, lr 1e-3, 20 steps)
+    0           38.3 / 31.7     17.7 / 15.3             25.7 / 20.0
+    1           43.0 / 33.3     27.7 / 25.0             18.7 / 17.3
+    2           37.7 / 30.0     25.7 / 21.7
+    3           41.0 / 33.3     17.7 / 15.3
+    4           39.0 / 32.0     28.0 / 24.0
+    5           44.3 / 35.3     23.3 / 24.0
+
+So on "other" the default round beats the baseline by 8.0 to 18.0 points in every seed (the baseline changes no
+answer in two of the six). The same screen on other taught models (GRPO seeds 0 1) finds no such gap where the base
+already reads the tower: undercount 0.9 (base 27.3 / 33.0) ends at 34-36 on "other" whatever the round, undercount
+1.0 (38.7 / 39.0) is not moved by any, and tower-first 1200 + 150 (32.7 / 34.3) ends at 41-42 with the default
+round and the baseline alike. Why the search of `run_search.py --demo` tied the baseline on "other" until then: its
+box rendered the train split with the taught model's seed, so its GRPO rows were the very scenes the SFT was taught
+on, and there the baseline's round reached the band (28.7-30.0% on fresh rows). The demo box now renders from another
+seed (run_search.DEMO_BOX_SEED_OFFSET), as this script's train rows always did; bench/search_vs_baseline.py has the
+search's figures before and after.
 
 A tower taught first (`--tower-steps`, synthetic.teach.Recipe.tower_steps: steps of the per-cell loss alone before
 the answer is taught, as a real model's vision is pretrained before it learns to count). H200, DEMO_RECIPE's rows,
@@ -159,6 +180,7 @@ from synthetic.teach import Recipe, build_counting_model  # noqa: E402
 EVAL_KINDS = ("val", "compositional", "other")  # "val": condition A held out, the train kind's own distribution
 HELD_OUT_KINDS = ("compositional", "other")  # the two the round must improve (the hidden test sets' stand-ins)
 CONTROLS = ("blank", "shuffle")
+DEMO_BUDGET = ROOT / "search" / "demo_budget.yaml"  # its warm starts are the rounds `--warm-start` runs
 
 
 # ---------------------------------------------------------------------------------------------------- statistics
@@ -282,11 +304,37 @@ class RoundRecipe:
     num_generations: int = 8
     temperature: float = 1.0
     seed: int = 0  # the round's seed (sampling, data order)
+    # Reward name -> weight (TrialConfig.reward_weights), the KL coefficient, the loss and the training phrasing:
+    # the accuracy reward alone by default, or a warm start's (`from_warm_start`).
+    reward_weights: tuple[tuple[str, float], ...] = (("accuracy", 1.0),)
+    beta: float = 0.0
+    loss_type: str = "dapo"
+    phrasing: str = "eval"
+
+    @classmethod
+    def from_warm_start(cls, name: str, seed: int = 0) -> "RoundRecipe":
+        """The round of the demo's warm start `name` (search/demo_budget.yaml), with the demo's prompts per step."""
+        import yaml
+
+        budget = yaml.safe_load(DEMO_BUDGET.read_text())
+        recipes = {w["name"]: w["params"] for w in budget["warm_starts"]}
+        if name not in recipes:
+            raise SystemExit(f"--warm-start: {name!r} is not a warm start of {DEMO_BUDGET}; known: {sorted(recipes)}")
+        p = recipes[name]
+        return cls(steps=p["steps"], learning_rate=p["learning_rate"], lora_rank=p["lora_rank"],
+                   prompts_per_step=budget["fixed"]["prompts_per_step"], num_generations=p["num_generations"],
+                   temperature=p["temperature"], seed=seed, reward_weights=tuple(p["reward_weights"].items()),
+                   beta=p["beta"], loss_type=p["loss_type"], phrasing=p["phrasing"])
 
     @property
     def tag(self) -> str:
-        return (f"s{self.steps}-lr{self.learning_rate:g}-r{self.lora_rank}{'v' if self.train_vision else ''}"
-                f"-p{self.prompts_per_step}-n{self.num_generations}-t{self.temperature:g}-g{self.seed}")
+        tag = (f"s{self.steps}-lr{self.learning_rate:g}-r{self.lora_rank}{'v' if self.train_vision else ''}"
+               f"-p{self.prompts_per_step}-n{self.num_generations}-t{self.temperature:g}-g{self.seed}")
+        if (self.reward_weights, self.beta, self.loss_type, self.phrasing) != (
+                RoundRecipe.reward_weights, RoundRecipe.beta, RoundRecipe.loss_type, RoundRecipe.phrasing):
+            rewards = "+".join(f"{name}{weight:g}" for name, weight in self.reward_weights)
+            tag += f"-kl{self.beta:g}-{self.loss_type}-{self.phrasing}-{rewards}"
+        return tag
 
 
 def grpo_round(setup: Setup, arm: str, recipe: RoundRecipe) -> tuple[Path, float]:
@@ -304,18 +352,18 @@ def grpo_round(setup: Setup, arm: str, recipe: RoundRecipe) -> tuple[Path, float
             model_path=str(setup.model),
             train_path=str(setup.train(arm)),
             output_dir=str(out),
-            reward_weights={"accuracy": 1.0},
+            reward_weights=dict(recipe.reward_weights),
             steps=recipe.steps,
             learning_rate=recipe.learning_rate,
-            beta=0.0,
+            beta=recipe.beta,
             num_generations=recipe.num_generations,
             prompts_per_step=recipe.prompts_per_step,
             generation_steps=1,
             temperature=recipe.temperature,
-            loss_type="dapo",
+            loss_type=recipe.loss_type,
             max_completion_length=16,
             max_pixels=width * height,
-            phrasing="eval",
+            phrasing=recipe.phrasing,
             gradient_checkpointing=False,
             lora_rank=recipe.lora_rank,
             train_vision_tower=recipe.train_vision,
@@ -367,7 +415,8 @@ def format_result(result: dict[str, Any]) -> str:
     r = result["round"]
     lines = [f"teach seed {result['seed']}, grpo seed {r['seed']}: {r['steps']} steps x {r['prompts_per_step']} "
              f"prompts x {r['num_generations']} generations, lr {r['learning_rate']:g}, lora rank {r['lora_rank']}, "
-             f"temperature {r['temperature']:g}; s/step " +
+             f"temperature {r['temperature']:g}, kl {r['beta']:g}, {r['loss_type']}, {r['phrasing']} phrasing, rewards "
+             f"{dict(r['reward_weights'])}; s/step " +
              ", ".join(f"{arm} {s:.1f}" for arm, s in result["step_seconds"].items())]
     for arm, by_kind in result["arms"].items():
         for kind, e in by_kind.items():
@@ -416,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step)
     parser.add_argument("--num-generations", type=int, default=defaults.num_generations)
     parser.add_argument("--temperature", type=float, default=defaults.temperature)
+    parser.add_argument("--warm-start", help="run the demo's warm start of this name (e.g. baseline) instead of the "
+                        "round the options above describe")
     parser.add_argument("--controls", nargs="*", default=list(CONTROLS), choices=CONTROLS)
     parser.add_argument("--base-only", action="store_true", help="only score the taught model on every kind")
     parser.add_argument("--out", type=Path, help="append the results as JSON lines here")
@@ -433,8 +484,11 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
             continue
         for grpo_seed in args.grpo_seeds:
-            recipe = RoundRecipe(args.steps, args.learning_rate, args.lora_rank, args.train_vision,
-                                 args.prompts_per_step, args.num_generations, args.temperature, grpo_seed)
+            if args.warm_start:
+                recipe = RoundRecipe.from_warm_start(args.warm_start, seed=grpo_seed)
+            else:
+                recipe = RoundRecipe(args.steps, args.learning_rate, args.lora_rank, args.train_vision,
+                                     args.prompts_per_step, args.num_generations, args.temperature, grpo_seed)
             result = experiment(setup, recipe, controls=tuple(args.controls), scores=scores)
             results.append(result)
             print(format_result(result), flush=True)

@@ -132,14 +132,19 @@ def test_simulate_runs_a_whole_search_without_a_box(tmp_path):
     assert "baseline*" in board.stdout
 
 
-def test_the_demo_rerenders_a_box_of_other_sizes(tmp_path, monkeypatch):
-    """A box rendered by an older demo (other row counts) is not reused as the current demo's box."""
+def test_the_demo_rerenders_a_box_of_other_sizes_or_seed(tmp_path, monkeypatch):
+    """A box rendered by an older demo (other row counts, another seed, or no marker) is not reused."""
     monkeypatch.syspath_prepend(str(ROOT))
-    from run_search import _box_has_sizes
+    from run_search import _demo_box_is, _render_demo_box
     from synthetic.splits import write_box
+    from synthetic.teach import Recipe
 
     sizes = {"train": 3, "val": 2, "ood_val": 4, "test_compositional": 2, "test_other": 2}
-    assert not _box_has_sizes(tmp_path / "box", sizes)  # nothing rendered yet
-    write_box(tmp_path / "box", sizes, image_size=(32, 32), count_range=(1, 3))
-    assert _box_has_sizes(tmp_path / "box", sizes)
-    assert not _box_has_sizes(tmp_path / "box", {**sizes, "ood_val": 5})
+    recipe = Recipe(image_size=(32, 32), count_range=(1, 3))
+    assert not _demo_box_is(tmp_path / "box", sizes, 1000)  # nothing rendered yet
+    _render_demo_box(tmp_path / "box", sizes, 1000, recipe)
+    assert _demo_box_is(tmp_path / "box", sizes, 1000)
+    assert not _demo_box_is(tmp_path / "box", {**sizes, "ood_val": 5}, 1000)
+    assert not _demo_box_is(tmp_path / "box", sizes, 0)
+    write_box(tmp_path / "older", sizes, 1000, image_size=(32, 32), count_range=(1, 3))  # before the marker
+    assert not _demo_box_is(tmp_path / "older", sizes, 1000)

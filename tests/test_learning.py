@@ -56,3 +56,22 @@ def test_the_same_round_on_blank_images_does_not(learning, kind):
     image, blank = learning["arms"]["image"][kind]["gain"], learning["arms"]["blank"][kind]["gain"]
     assert blank["diff"] <= MAX_BLANK_GAIN, blank
     assert image["diff"] - blank["diff"] >= MIN_GAP, (image, blank)
+
+
+def test_a_warm_start_round_is_the_demo_budgets_recipe():
+    """`bench/learning.py --warm-start NAME` trains the demo's warm start as written in search/demo_budget.yaml."""
+    import yaml
+
+    from bench.learning import DEMO_BUDGET, RoundRecipe
+
+    budget = yaml.safe_load(DEMO_BUDGET.read_text())
+    params = next(w["params"] for w in budget["warm_starts"] if w["name"] == "baseline")
+    recipe = RoundRecipe.from_warm_start("baseline", seed=3)
+    assert dict(recipe.reward_weights) == params["reward_weights"]
+    assert (recipe.steps, recipe.learning_rate, recipe.lora_rank, recipe.beta, recipe.loss_type, recipe.phrasing) == (
+        params["steps"], params["learning_rate"], params["lora_rank"], params["beta"], params["loss_type"],
+        params["phrasing"])  # fmt: skip
+    assert (recipe.prompts_per_step, recipe.seed) == (budget["fixed"]["prompts_per_step"], 3)
+    assert recipe.tag != RoundRecipe(steps=recipe.steps, learning_rate=recipe.learning_rate, lora_rank=0, seed=3).tag
+    with pytest.raises(SystemExit, match="not a warm start"):
+        RoundRecipe.from_warm_start("nonexistent")
