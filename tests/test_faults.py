@@ -140,7 +140,8 @@ def test_simulated_rounds_that_fail_every_way_are_recorded_and_the_search_goes_o
 # ---------------------------------------------------------------------------------------------------------- stub rounds
 def test_rounds_that_raise_oom_nan_get_killed_or_hang_are_ended_and_recorded(tmp_path, tiny_split_dir):
     """The real program; the rounds are stub processes. A promotion meets a full disk on the way."""
-    budget = stub_box(tmp_path, tiny_split_dir)
+    # 30 s: nine planned rounds, a 3 s hang among them, and at least one more; 20 s ran exactly nine on a loaded CPU.
+    budget = stub_box(tmp_path, tiny_split_dir, hours=30 / 3600)
     env = {**os.environ, "FAULT_PLAN": "ok,raise,ok,oom,nan,ok,oomkill,hang,ok", "STUB_ENOSPC_COPY": "2",
            "PROMOTION_LOG": str(tmp_path / "promotions.jsonl")}  # fmt: skip
     result = subprocess.run(faultkit.search_command("--budget", str(budget)), cwd=tmp_path, env=env,

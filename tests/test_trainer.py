@@ -435,4 +435,8 @@ def test_scoring_only_completion_positions_off_cuda_changes_nothing_in_a_round(t
     assert compact_losses == pytest.approx(losses, rel=1e-5, abs=1e-7)
     assert weights.keys() == compact_weights.keys()
     for name, tensor in weights.items():
+        if name.endswith("k_proj.bias"):
+            # Softmax ignores a shift shared by every key, so the key bias's gradient is zero but for rounding, and
+            # AdamW turns that rounding into lr-sized steps: 2e-3 in both paths, apart by 2e-6 on this machine.
+            continue
         torch.testing.assert_close(compact_weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

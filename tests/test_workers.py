@@ -78,8 +78,10 @@ def postgres_url() -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- workers
-def run_workers(tmp_path: Path, split: Path, storage: str, *, seconds: float = 20) -> dict:
-    """Start WORKERS searches on one study at once (same budget, storage, study name, submission folder); wait."""
+def run_workers(tmp_path: Path, split: Path, storage: str, *, seconds: float = 30) -> dict:
+    """Start WORKERS searches on one study at once (same budget, storage, study name, submission folder); wait.
+
+    30 s of search: the tests want ten rounds or more between the workers, and 20 s ran nine on a loaded 2-core CPU."""
     (tmp_path / "app").mkdir()
     budget = faultkit.write_budget(
         tmp_path, hours=seconds / 3600, reserve_minutes=0, round_min_minutes=0.02, round_max_minutes=0.5,
