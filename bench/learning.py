@@ -180,7 +180,6 @@ from synthetic.teach import Recipe, build_counting_model  # noqa: E402
 EVAL_KINDS = ("val", "compositional", "other")  # "val": condition A held out, the train kind's own distribution
 HELD_OUT_KINDS = ("compositional", "other")  # the two the round must improve (the hidden test sets' stand-ins)
 CONTROLS = ("blank", "shuffle")
-DEMO_BUDGET = ROOT / "search" / "demo_budget.yaml"  # its warm starts are the rounds `--warm-start` runs
 
 
 # ---------------------------------------------------------------------------------------------------- statistics
@@ -315,6 +314,8 @@ class RoundRecipe:
     def from_warm_start(cls, name: str, seed: int = 0) -> "RoundRecipe":
         """The round of the demo's warm start `name` (search/demo_budget.yaml), with the demo's prompts per step."""
         import yaml
+
+        from run_search import DEMO_BUDGET
 
         budget = yaml.safe_load(DEMO_BUDGET.read_text())
         recipes = {w["name"]: w["params"] for w in budget["warm_starts"]}

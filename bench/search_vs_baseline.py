@@ -57,9 +57,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.learning import accuracy_entry, paired_difference, score  # noqa: E402
+from run_search import DEMO_BUDGET  # noqa: E402
 from search.leaderboard import BASELINE  # noqa: E402  (the warm start the leaderboard compares against)
 
-DEMO_BUDGET = ROOT / "search" / "demo_budget.yaml"
 KINDS = ("other", "compositional")
 
 

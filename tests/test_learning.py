@@ -62,7 +62,8 @@ def test_a_warm_start_round_is_the_demo_budgets_recipe():
     """`bench/learning.py --warm-start NAME` trains the demo's warm start as written in search/demo_budget.yaml."""
     import yaml
 
-    from bench.learning import DEMO_BUDGET, RoundRecipe
+    from bench.learning import RoundRecipe
+    from run_search import DEMO_BUDGET
 
     budget = yaml.safe_load(DEMO_BUDGET.read_text())
     params = next(w["params"] for w in budget["warm_starts"] if w["name"] == "baseline")
