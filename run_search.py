@@ -135,7 +135,7 @@ def _search(args: argparse.Namespace) -> int:
         return 130
     finally:
         _write_leaderboard(study, folder)
-    print(_summary(study, settings, simulated=args.simulate))
+    print(_summary(study, settings, simulated=args.simulate, final_check=scheduler.final_check_result))
     return 0
 
 
@@ -173,11 +173,13 @@ class _RoundEnd:
         self.settings, self.study, self.folder, self.prune = settings, study, folder, prune
 
     def __call__(self, trial, outcome) -> None:
-        from search.promotion import prune_run_dirs
+        from search.promotion import promoted, prune_run_dirs
 
         try:
             if self.prune:
-                prune_run_dirs(self.study, self.settings.keep_rounds)
+                held = (promoted(self.settings.submission_path) or {}).get("trial")
+                keep = {held} if isinstance(held, int) else set()  # the current best, whatever the study ranks
+                prune_run_dirs(self.study, self.settings.keep_rounds, keep=keep)
             _write_leaderboard(self.study, self.folder)
         except Exception as exc:  # noqa: BLE001 - see the class docstring
             print(f"warning: after round {trial.number}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -251,7 +253,7 @@ def _write_leaderboard(study, folder: Path) -> None:
     write_leaderboard(study, folder)
 
 
-def _summary(study, settings: Settings, *, simulated: bool) -> str:
+def _summary(study, settings: Settings, *, simulated: bool, final_check: tuple[bool, str] | None) -> str:
     from search.leaderboard import format_leaderboard
     from search.promotion import promoted
 
@@ -259,10 +261,13 @@ def _summary(study, settings: Settings, *, simulated: bool) -> str:
     if not simulated:
         marker = promoted(settings.submission_path)
         lines.append(
-            f"submission: {settings.submission_path} holds trial {marker['trial']} ({marker['accuracy']:.1f}% on ood_val)"
+            f"submission: {settings.submission_path} holds trial {marker['trial']} ({marker.get('recipe') or 'round'}, "
+            f"{marker['accuracy']:.1f}% on ood_val)"
             if marker
             else f"submission: nothing promoted into {settings.submission_path}"
         )
+    if final_check is not None and not final_check[0]:
+        lines.append(final_check[1])  # again last, where a user who reads only the end sees it
     return "\n".join(lines)
 
 

@@ -101,11 +101,17 @@ def _decoded_images(ds: datasets.Dataset, folder: Path) -> datasets.Dataset:
     return ds.cast_column("image", datasets.Image())
 
 
-def _subset(ds: datasets.Dataset, limit: int | None, seed: int | None) -> datasets.Dataset:
+def subset_indices(n_rows: int, limit: int | None = None, seed: int | None = None) -> list[int]:
+    """The row indices `load_split(limit=limit, seed=seed)` keeps of a split of `n_rows`, in the folder's order."""
     if limit is not None and limit < 1:
         raise DataError(f"limit must be a positive number of rows, got {limit}")
-    if limit is None or limit >= len(ds):
-        return ds
+    if limit is None or limit >= n_rows:
+        return list(range(n_rows))
     if seed is None:
-        return ds.select(range(limit))
-    return ds.select(sorted(random.Random(seed).sample(range(len(ds)), limit)))
+        return list(range(limit))
+    return sorted(random.Random(seed).sample(range(n_rows), limit))
+
+
+def _subset(ds: datasets.Dataset, limit: int | None, seed: int | None) -> datasets.Dataset:
+    indices = subset_indices(len(ds), limit, seed)
+    return ds if len(indices) == len(ds) else ds.select(indices)

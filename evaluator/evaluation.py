@@ -10,6 +10,7 @@ import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 import torch.multiprocessing
 from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
-from evaluator.data import load_split, validate_solutions
+from evaluator.data import DataError, load_split, subset_indices, validate_solutions
 from evaluator.generation import Completion, generate_completions
 from evaluator.protocol import GENERATION_KWARGS
 from evaluator.report import build_report
@@ -40,6 +41,7 @@ def evaluate(
     *,
     limit: int | None = None,
     seed: int | None = None,
+    indices: Sequence[int] | None = None,
     batch_size: int | None = None,
     devices: list[str] | None = None,
     num_samples: int = 5,
@@ -48,6 +50,8 @@ def evaluate(
 ) -> dict[str, Any]:
     """The report of `model_dir` on the split folder `data` (see `report.build_report` for the scores).
 
+    Rows: all of them; `limit` of them (the first, or a seeded subset with `seed`); or exactly the split's rows at
+    `indices` (what a report's `per_row.index` names: the search re-checks a promoted model on rows it was scored on).
     devices: None for every visible GPU (the CPU when there is none), else device names, one worker each; the same
     name may repeat (["cpu", "cpu"] runs two CPU workers). static_cache: see `generate_completions`; ignored on a
     CPU. `max_new_tokens` other than 256 is not the verifier's protocol: it is for quick checks, and the report
@@ -55,7 +59,13 @@ def evaluate(
     """
     start = time.perf_counter()
     model_dir = check_model_dir(model_dir)
-    rows = load_split(data, limit=limit, seed=seed)
+    split = load_split(data)
+    if indices is None:
+        indices = subset_indices(len(split), limit, seed)
+    elif limit is not None or not indices or not all(0 <= i < len(split) for i in indices):
+        raise DataError(f"{data}: indices must be non-empty row numbers below {len(split)}, without limit")
+    indices = [int(i) for i in indices]
+    rows = split if len(indices) == len(split) and indices == list(range(len(split))) else split.select(indices)
     golds = validate_solutions(rows, source=str(data))
     devices = _devices(devices)
     on_gpu = torch.device(devices[0]).type == "cuda"
@@ -78,7 +88,7 @@ def evaluate(
     for shard, shard_completions in zip(shards, outputs):
         for index, completion in zip(shard, shard_completions):
             completions[index] = completion
-    report = build_report(list(rows["problem"]), golds, completions, num_samples=num_samples)
+    report = build_report(list(rows["problem"]), golds, completions, num_samples=num_samples, indices=indices)
     seconds = time.perf_counter() - start
     return {
         **report,

@@ -11,12 +11,18 @@ from evaluator.protocol import extract_answer, is_correct
 
 
 def build_report(
-    problems: Sequence[str], golds: Sequence[int], completions: Sequence[Completion], num_samples: int = 5
+    problems: Sequence[str],
+    golds: Sequence[int],
+    completions: Sequence[Completion],
+    num_samples: int = 5,
+    indices: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """accuracy_pct, n, correct, format_rate, mean_completion_tokens, accuracy_by_count and samples.
+    """accuracy_pct, n, correct, format_rate, mean_completion_tokens, accuracy_by_count, samples and per_row.
 
     Scored only through `protocol`: a row is correct when `is_correct`; format_rate is the share of completions from
-    which `extract_answer` gets a number at all.
+    which `extract_answer` gets a number at all. `per_row` keeps every row's split index (`indices`, default 0..n-1),
+    gold count and extracted answer (null when none), in the split's order: two models scored on the same rows compare
+    row by row (a paired difference), and a copy of a model can be checked against what it answered.
     """
     if not len(problems) == len(golds) == len(completions) > 0:
         raise ValueError(
@@ -29,6 +35,9 @@ def build_report(
     for gold, hit in zip(golds, hits):
         by_count[gold].append(hit)
     n = len(completions)
+    indices = list(range(n)) if indices is None else [int(i) for i in indices]
+    if len(indices) != n:
+        raise ValueError(f"need one index per completion: {len(indices)} indices, {n} completions")
     return {
         "accuracy_pct": 100.0 * sum(hits) / n,
         "n": n,
@@ -40,4 +49,5 @@ def build_report(
             {"problem": problem, "gold": gold, "completion": completion.text, "answer": answer}
             for problem, gold, completion, answer in list(zip(problems, golds, completions, answers))[:num_samples]
         ],
+        "per_row": {"index": indices, "gold": list(golds), "answer": answers},
     }

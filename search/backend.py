@@ -35,6 +35,9 @@ class RoundOutcome:
     steps_done: int
     timings: dict[str, float] = field(default_factory=dict)
     merged_dir: str | None = None  # the saved, merged model (None when nothing usable was saved)
+    # The OOD report's `per_row` (split index, gold and extracted answer of every scored row): paired comparisons
+    # between rounds, and the answers a promoted copy of the model must give again (search.verification).
+    ood_rows: dict | None = None
 
 
 class RoundHandle(Protocol):
@@ -61,3 +64,10 @@ class RoundHandle(Protocol):
 class Backend(Protocol):
     def start(self, config: TrialConfig, gpus: list[int]) -> RoundHandle:
         """Start a round of `config` on `gpus` ([] = CPU); returns at once."""
+
+    def score(self, model_dir: str, run_dir: str, gpus: list[int]) -> RoundHandle:
+        """Start a round without training: the evaluations of the model in `model_dir` (the base model, round 0),
+        reported in `run_dir`; its outcome is "completed" with 0 steps and `merged_dir` = `model_dir`."""
+
+    def has_weights(self, merged_dir: str) -> bool:
+        """Whether a round's merged model is still there to start another round from."""

@@ -105,6 +105,15 @@ class DurationModel:
         }
         return Estimate(**seconds)
 
+    def eval_seconds(self) -> float:
+        """Predicted seconds of a round's evaluations (the same for every round, and all a scoring round does)."""
+        return float(self._terms("eval", None, 0) @ self._multipliers["eval"])
+
+    def check_seconds(self, rows: int) -> float:
+        """Predicted seconds of one process loading a model and generating `rows` rows (a submission's check), at the
+        rate the evaluations were measured at."""
+        return float((EVAL_LOAD_S + rows * EVAL_ROW_S) * self._multipliers["eval"][0])
+
     def predict(self, config: TrialConfig) -> float:
         return self.estimate(config).total
 
@@ -137,19 +146,19 @@ class DurationModel:
     def n_observed(self) -> int:
         return len(self._observed["train"])
 
-    def observe(self, config: TrialConfig, steps_done: int, timings: dict[str, float]) -> None:
+    def observe(self, config: TrialConfig | None, steps_done: int, timings: dict[str, float]) -> None:
         """Learn from a finished round's measured `timings`: each part's seconds, or `<part>_at_least` for a part a
         kill cut short. A part that is missing or not positive (the evaluation of a pruned round) teaches nothing.
-        `steps_done` is what ran, not what was planned."""
+        `steps_done` is what ran, not what was planned; a round that only scored a model has no config."""
         for part in PARTS:
             exact = part in timings
             seconds = timings.get(part, timings.get(f"{part}_at_least"))
-            if seconds is None or not seconds > 0 or (part == "train" and steps_done < 1):
+            if seconds is None or not seconds > 0 or (part == "train" and (steps_done < 1 or config is None)):
                 continue
             self._observed[part].append((self._terms(part, config, steps_done), float(seconds), exact))
             self._multipliers[part] = _fit_with_bounds(self._observed[part])
 
-    def _terms(self, part: str, config: TrialConfig, steps: int) -> np.ndarray:
+    def _terms(self, part: str, config: TrialConfig | None, steps: int) -> np.ndarray:
         """The prior's seconds per term: features times prior coefficients (the multipliers scale these)."""
         if part != "train":
             return self._priors[part].copy()

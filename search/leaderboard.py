@@ -1,8 +1,13 @@
 """The leaderboard of a study: its rounds ranked by the objective (ood_val accuracy), as Markdown, CSV and text.
 
 It reads only the study: the objective value, the user attrs the scheduler records per trial (`recipe`, `config`,
-`state`, `reason`, `val_accuracy`, `format_rate`, `mean_completion_tokens`, `duration_s`, `steps_done`) and the pruned
-trials' intermediate values. Completed rounds are ranked; pruned, failed and running ones follow, by trial number.
+`state`, `reason`, `val_accuracy`, `format_rate`, `mean_completion_tokens`, `duration_s`, `steps_done`, `parent`,
+`total_steps`, the per-row correctness `ood_rows`), the pruned trials' intermediate values and the study's last final
+check. Completed rounds are ranked; pruned, failed and running ones follow, by trial number.
+
+`vs_base` and `vs_best` are a round's lead over the base model (round 0) and over the best round, in accuracy points
+on the same ood_val rows, with the paired 95% interval (search.selection): an interval that contains 0 is a lead the
+choice of rows could explain.
 """
 
 from __future__ import annotations
@@ -16,7 +21,12 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from search import selection
+from search.space import BASE, SAMPLED
+from search.study import FINAL_CHECK_ATTR
+
 BASELINE = "baseline"  # the warm start every other round is compared against
+_MARKED = (BASE, BASELINE)  # recipes the tables mark: the zero point and the inherited recipe
 # Short names of the rewards, for one compact column.
 _REWARD_ABBREVIATIONS = {
     "accuracy": "acc",
@@ -39,8 +49,8 @@ _CONFIG_COLUMNS = (
     ("max_pixels", "max_pixels"),
 )
 COLUMNS = (
-    "rank", "trial", "recipe", "state", "ood_acc", "val_acc", "format_rate", "mean_tokens", "duration_min", "steps",
-    *(column for column, _ in _CONFIG_COLUMNS), "reason",
+    "rank", "trial", "recipe", "state", "ood_acc", "vs_base", "vs_best", "val_acc", "format_rate", "mean_tokens",
+    "duration_min", "steps", "parent", "total_steps", *(column for column, _ in _CONFIG_COLUMNS), "reason",
 )  # fmt: skip
 
 
@@ -51,12 +61,15 @@ def write_leaderboard(study: optuna.Study, folder: str | Path) -> tuple[Path, Pa
     rows = leaderboard_rows(study)
     md_path, csv_path = folder / "leaderboard.md", folder / "leaderboard.csv"
     lines = [f"# Leaderboard of study `{study.study_name}`", "", why_it_won(study), ""]
+    check = final_check_line(study)
+    if check:
+        lines += [f"**{check}**" if check.startswith("FINAL CHECK") else check, ""]
     lines.append("| " + " | ".join(COLUMNS) + " |")
     lines.append("|" + "|".join("---:" if _is_numeric_column(c) else "---" for c in COLUMNS) + "|")
     for row in rows:
         cells = [_cell(column, row[column]) for column in COLUMNS]
-        if row["recipe"] == BASELINE:
-            cells[COLUMNS.index("recipe")] = f"**{BASELINE}**"
+        if row["recipe"] in _MARKED:
+            cells[COLUMNS.index("recipe")] = f"**{row['recipe']}**"
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     _write_atomically(md_path, "\n".join(lines) + "\n")
     buffer = io.StringIO()
@@ -74,15 +87,17 @@ def format_leaderboard(study: optuna.Study) -> str:
     table = [list(COLUMNS)]
     for row in rows:
         cells = [_cell(column, row[column]) for column in COLUMNS]
-        if row["recipe"] == BASELINE:
-            cells[COLUMNS.index("recipe")] = f"{BASELINE}*"
+        if row["recipe"] in _MARKED:
+            cells[COLUMNS.index("recipe")] = f"{row['recipe']}*"
         table.append(cells)
     widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
     text = [
         "  ".join(cell.rjust(w) if _is_numeric_column(c) else cell.ljust(w) for c, cell, w in zip(COLUMNS, line, widths))
         for line in table
     ]
-    return "\n".join([f"study {study.study_name}: {why_it_won(study)}", *(line.rstrip() for line in text)])
+    check = final_check_line(study)
+    head = [f"study {study.study_name}: {why_it_won(study)}", *([check] if check else [])]
+    return "\n".join([*head, *(line.rstrip() for line in text)])
 
 
 def leaderboard_rows(study: optuna.Study) -> list[dict[str, Any]]:
@@ -90,34 +105,91 @@ def leaderboard_rows(study: optuna.Study) -> list[dict[str, Any]]:
     trials = study.get_trials(deepcopy=False)
     ranked = sorted((t for t in trials if _score(t) is not None), key=lambda t: (-_score(t), t.number))
     others = sorted((t for t in trials if _score(t) is None), key=lambda t: t.number)
-    rows = [_row(trial, rank) for rank, trial in enumerate(ranked, start=1)]
-    return rows + [_row(trial, None) for trial in others]
+    base, best = _base(trials), (ranked[0] if ranked else None)
+    rows = [_row(trial, rank, base, best) for rank, trial in enumerate(ranked, start=1)]
+    return rows + [_row(trial, None, base, best) for trial in others]
 
 
 def why_it_won(study: optuna.Study) -> str:
-    """One line: the best round against the baseline (accuracy delta and the options that differ)."""
+    """One line: the best round, its chain of parents, whether its lead over the base and over the runner-up is
+    beyond the noise of ood_val's rows, and against the inherited baseline, the options that differ."""
     trials = study.get_trials(deepcopy=False)
-    scored = [t for t in trials if _score(t) is not None]
+    scored = sorted((t for t in trials if _score(t) is not None), key=lambda t: (-_score(t), t.number))
     if not scored:
         return "No round has finished with a score yet."
-    best = max(scored, key=lambda t: (_score(t), -t.number))
-    head = f"Best: trial {best.number} ({_recipe(best)}), ood_val accuracy {_score(best):.1f}%"
+    best = scored[0]
+    parts = [f"Best: trial {best.number} ({_recipe(best)}), ood_val accuracy {_score(best):.1f}%"]
+    chain = _chain(best, {t.number: t for t in trials})
+    if len(chain) > 1:
+        steps = best.user_attrs.get("total_steps")
+        parts[0] += f", chain {' -> '.join(map(str, chain))}" + (f" ({steps} steps)" if steps is not None else "")
+    base = _base(trials)
+    runner_up = scored[1] if len(scored) > 1 else None
+    for name, other in (("the base", base), ("the runner-up", runner_up)):
+        if other is None or other.number == best.number or _score(other) is None:
+            continue
+        if name == "the runner-up" and base is not None and other.number == base.number:
+            continue  # said already
+        parts.append(f"over {name} (trial {other.number}, {_score(other):.1f}%) {_lead_text(best, other)}")
+    return "; ".join(parts) + "; " + _against_baseline(best, scored)
+
+
+def final_check_line(study: optuna.Study) -> str | None:
+    """The last final check of a submission (search.promotion.final_check), as it was printed."""
+    check = study.user_attrs.get(FINAL_CHECK_ATTR)
+    return check.get("line") if isinstance(check, dict) else None
+
+
+def _against_baseline(best: FrozenTrial, scored: list[FrozenTrial]) -> str:
     baselines = [t for t in scored if _recipe(t) == BASELINE]
     if not baselines:
-        return head + "; the baseline has no score yet."
+        return "the baseline has no score yet."
     baseline = baselines[0]
     if baseline.number == best.number:
-        return head + ": the baseline itself leads."
-    delta = _score(best) - _score(baseline)
+        return "the baseline itself leads."
     differences = [
         f"{column} {_cell(column, _config_value(best, field))} vs {_cell(column, _config_value(baseline, field))}"
         for column, field in (*_CONFIG_COLUMNS, ("steps", "steps"))
         if _config_value(best, field) != _config_value(baseline, field)
     ]
     return (
-        f"{head}, {delta:+.1f} points over the baseline (trial {baseline.number}, {_score(baseline):.1f}%); "
-        f"it differs in: {'; '.join(differences) or 'nothing searched'}."
+        f"{_score(best) - _score(baseline):+.1f} points over the baseline (trial {baseline.number}, "
+        f"{_score(baseline):.1f}%); it differs in: {'; '.join(differences) or 'nothing searched'}."
     )
+
+
+def _lead_text(trial: FrozenTrial, other: FrozenTrial) -> str:
+    lead = _lead(trial, other)
+    if lead is None:
+        return f"{_score(trial) - _score(other):+.1f} points (no per-row scores to tell noise)"
+    return f"{lead}, {'beyond' if lead.beyond_noise else 'within'} noise"
+
+
+def _lead(trial: FrozenTrial, other: FrozenTrial | None) -> selection.Lead | None:
+    """The paired lead of `trial` over `other` on the same ood_val rows; None without comparable per-row scores."""
+    if other is None or other.number == trial.number:
+        return None
+    mine, theirs = selection.read_rows_attr(trial.user_attrs), selection.read_rows_attr(other.user_attrs)
+    if mine is None or theirs is None or mine[0] != theirs[0] or len(mine[1]) != len(theirs[1]):
+        return None
+    return selection.paired_lead(mine[1], theirs[1])
+
+
+def _chain(trial: FrozenTrial, by_number: dict[int, FrozenTrial]) -> list[int]:
+    """Trial numbers from the base to `trial`, following `parent`."""
+    chain = [trial.number]
+    parent = trial.user_attrs.get("parent")
+    while isinstance(parent, int) and parent in by_number and parent not in chain:
+        chain.append(parent)
+        parent = by_number[parent].user_attrs.get("parent")
+    return chain[::-1]
+
+
+def _base(trials: list[FrozenTrial]) -> FrozenTrial | None:
+    """Round 0: the scored base model (the first one, should it have been scored twice)."""
+    bases = [t for t in trials if _recipe(t) == BASE]
+    scored = [t for t in bases if _score(t) is not None]
+    return (scored or bases or [None])[0]
 
 
 # ---------------------------------------------------------------------------------------------------------- rows
@@ -128,7 +200,7 @@ def _score(trial: FrozenTrial) -> float | None:
 
 
 def _recipe(trial: FrozenTrial) -> str:
-    return trial.user_attrs.get("recipe", "sampled")
+    return trial.user_attrs.get("recipe", SAMPLED)
 
 
 def _config_value(trial: FrozenTrial, field: str) -> Any:
@@ -139,14 +211,19 @@ def _config_value(trial: FrozenTrial, field: str) -> Any:
     return trial.user_attrs.get("config", {}).get(field)
 
 
-def _row(trial: FrozenTrial, rank: int | None) -> dict[str, Any]:
+def _row(trial: FrozenTrial, rank: int | None, base: FrozenTrial | None, best: FrozenTrial | None) -> dict[str, Any]:
     attrs = trial.user_attrs
+    scored = _score(trial) is not None
     row = {
         "rank": rank,
         "trial": trial.number,
         "recipe": _recipe(trial),
         "state": attrs.get("state") or trial.state.name.lower(),
         "ood_acc": _score(trial),
+        "vs_base": _lead(trial, base) if scored else None,
+        "vs_best": _lead(trial, best) if scored else None,
+        "parent": attrs.get("parent"),
+        "total_steps": attrs.get("total_steps"),
         "val_acc": attrs.get("val_accuracy"),
         "format_rate": attrs.get("format_rate"),
         "mean_tokens": attrs.get("mean_completion_tokens"),
@@ -168,8 +245,9 @@ def _reason(trial: FrozenTrial) -> str | None:
 
 # ---------------------------------------------------------------------------------------------------------- cells
 def _is_numeric_column(column: str) -> bool:
-    return column in {"rank", "trial", "ood_acc", "val_acc", "format_rate", "mean_tokens", "duration_min", "steps",
-                      "beta", "G", "lora_rank", "lr", "temperature", "max_pixels"}  # fmt: skip
+    return column in {"rank", "trial", "ood_acc", "vs_base", "vs_best", "val_acc", "format_rate", "mean_tokens",
+                      "duration_min", "steps", "parent", "total_steps", "beta", "G", "lora_rank", "lr", "temperature",
+                      "max_pixels"}  # fmt: skip
 
 
 def _cell(column: str, value: Any) -> str:
@@ -194,6 +272,8 @@ def _csv_value(value: Any) -> Any:
         return ""
     if isinstance(value, dict):
         return _rewards(value)
+    if isinstance(value, selection.Lead):
+        return str(value)
     return value
 
 

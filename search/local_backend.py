@@ -42,15 +42,18 @@ class LocalBackend:
         self.trainer_command: list[str] | None = None
         self.evaluator_command: list[str] = [sys.executable, "-m", "evaluator"]
         self.kill_grace_s = 30.0
+        self.threads_per_round = threads_per_round(settings)
 
     def start(self, config: TrialConfig, gpus: list[int]) -> "LocalRound":
-        run_dir = Path(config.output_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # A folder left by an earlier study under the same runs_dir must not pass its files off as this round's.
-        for stale in ("STOP", "progress.jsonl", "status.json", "ood_eval.json", "val_eval.json", PROCESSES_FILE):
-            (run_dir / stale).unlink(missing_ok=True)
+        run_dir = _fresh_run_dir(config.output_dir)
         config.to_json(run_dir / "trial.json")
         return LocalRound(self, run_dir, gpus)
+
+    def score(self, model_dir: str, run_dir: str, gpus: list[int]) -> "LocalRound":
+        return LocalRound(self, _fresh_run_dir(run_dir), gpus, model_dir=Path(model_dir))
+
+    def has_weights(self, merged_dir: str) -> bool:
+        return Path(merged_dir, "config.json").is_file()
 
     def reap_orphan(self, run_dir: str | os.PathLike) -> list[int]:
         """Kill what is left of a round whose scheduler died (SIGKILL, power loss of the scheduler alone): every
@@ -92,14 +95,17 @@ class LocalBackend:
 
 
 class LocalRound:
-    """One round's processes. `done()` advances it: training -> evaluation(s) -> done."""
+    """One round's processes. `done()` advances it: training -> evaluation(s) -> done. Given `model_dir`, it only
+    scores that model: evaluation(s) -> done."""
 
-    def __init__(self, backend: LocalBackend, run_dir: Path, gpus: list[int]):
+    def __init__(self, backend: LocalBackend, run_dir: Path, gpus: list[int], *, model_dir: Path | None = None):
         self._backend = backend
         self.run_dir = run_dir
         self._env = dict(os.environ)
         self._env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)  # "" hides every GPU from a CPU round
         self._env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
+        if backend.threads_per_round is not None:
+            self._env["OMP_NUM_THREADS"] = str(backend.threads_per_round)
         self._phase = TRAINING
         self._evaluate = True
         self._offset = 0  # bytes of progress.jsonl already returned
@@ -113,8 +119,13 @@ class LocalRound:
         self._pending_evals: list[tuple[str, list[str]]] = []
         self._current_eval: str | None = None
         self._train_seconds: float | None = None
-        command = backend.train_command(gpus, run_dir / "trial.json")
-        self._proc, self._started = self._spawn(command, run_dir / "train.log")
+        self._model_dir = model_dir or run_dir / "merged"
+        if model_dir is not None:
+            self._state = "completed"
+            self._start_evaluations()
+        else:
+            command = backend.train_command(gpus, run_dir / "trial.json")
+            self._proc, self._started = self._spawn(command, run_dir / "train.log")
 
     # ------------------------------------------------------------------ RoundHandle
     def progress(self) -> list[dict]:
@@ -188,14 +199,11 @@ class LocalRound:
             mean_completion_tokens=ood.get("mean_completion_tokens"),
             steps_done=int(self._status.get("steps_done") or 0),
             timings=self._timings(),
-            merged_dir=str(self._merged) if self._state in ("completed", "stopped") else None,
+            merged_dir=str(self._model_dir) if self._state in ("completed", "stopped") else None,
+            ood_rows=ood.get("per_row"),
         )
 
     # ------------------------------------------------------------------ the round's course
-    @property
-    def _merged(self) -> Path:
-        return self.run_dir / "merged"
-
     def _spawn(self, command: list[str], log: Path) -> tuple[subprocess.Popen, float]:
         with log.open("ab") as out:
             proc = subprocess.Popen(
@@ -217,15 +225,18 @@ class LocalRound:
                                                                  if returncode == -signal.SIGKILL else "")
                 reason += f": {log}"
             self._finish("failed", reason or f"the trainer exited with code {returncode}: {log}")
-        elif not (self._merged / "config.json").is_file():
-            self._finish("failed", f"the trainer reported {state} but wrote no model to {self._merged}")
+        elif not (self._model_dir / "config.json").is_file():
+            self._finish("failed", f"the trainer reported {state} but wrote no model to {self._model_dir}")
         elif not self._evaluate:
             self._finish(state, self._status.get("reason"))
         else:
             self._state, self._reason = state, self._status.get("reason")
-            self._pending_evals = self._backend.eval_commands(self._merged, self.run_dir)
-            self._phase = EVALUATING
-            self._next_evaluation()
+            self._start_evaluations()
+
+    def _start_evaluations(self) -> None:
+        self._pending_evals = self._backend.eval_commands(self._model_dir, self.run_dir)
+        self._phase = EVALUATING
+        self._next_evaluation()
 
     def _after_evaluation(self, returncode: int) -> None:
         name = self._current_eval
@@ -262,6 +273,25 @@ class LocalRound:
         if self._eval_cut is not None:
             timings["eval_at_least"] = self._eval_cut
         return timings
+
+
+def threads_per_round(settings) -> int | None:
+    """CPU threads for each round's processes when several rounds run at once: the cores shared out, since torch
+    gives every process as many threads as there are cores and side-by-side rounds then fight over them (their
+    GPUs wait on the CPU). None (torch's default) for one round at a time, or when OMP_NUM_THREADS is set."""
+    rounds = (settings.gpus // settings.gpus_per_trial) * settings.rounds_per_slot if settings.gpus else 1
+    if rounds <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, (os.cpu_count() or 1) // rounds)
+
+
+def _fresh_run_dir(path: str | os.PathLike) -> Path:
+    run_dir = Path(path)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # A folder left by an earlier study under the same runs_dir must not pass its files off as this round's.
+    for stale in ("STOP", "progress.jsonl", "status.json", "ood_eval.json", "val_eval.json", PROCESSES_FILE):
+        (run_dir / stale).unlink(missing_ok=True)
+    return run_dir
 
 
 def _die_with_parent(parent: int):

@@ -1,10 +1,13 @@
 """Promotion: the best merged model into the submission folder, whole or not at all; and the runs folder kept small.
 
 The submission must be loadable at every instant the box may be stopped. So a new model is copied next to the
-submission (same filesystem), flushed to disk, load-checked as the verifier loads it, and only then swapped in with
-one atomic directory exchange; the previous submission stays whole until then. `PROMOTED.json` inside the submission
-records which trial it holds and its accuracy: it moves with the model in the same exchange, and only a strictly
-better model replaces it. A lock on the submission's parent serializes workers that share one study.
+submission (same filesystem), flushed to disk, checked as the verifier will use it (search.verification: loaded with
+the verifier's calls, and answering the recorded ood_val rows as it did when scored), and only then swapped in with
+one atomic directory exchange; the previous submission stays whole until then, and is kept aside afterwards
+(`.<name>.previous`), so that the final check in the reserve (`final_check`) can restore it when the submission no
+longer passes. `PROMOTED.json` inside the submission records which trial it holds, its accuracy and the answers it
+must give: it moves with the model in the same exchange, and only a strictly better model replaces it. A lock on the
+submission's parent serializes workers that share one study.
 """
 
 from __future__ import annotations
@@ -17,20 +20,20 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import optuna
 from optuna.trial import TrialState
 
+from search import verification
+
 MARKER = "PROMOTED.json"
 _LOG = logging.getLogger(__name__)
 # Files of a round folder that hold weights or checkpoints; everything else at its top level is small (logs, JSON).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-_CHECK_TIMEOUT_S = 1800
 
 
 class PromotionError(RuntimeError):
@@ -45,14 +48,16 @@ def promote(
     format_rate: float | None,
     accuracy: float,
     trial: int | None = None,
+    details: dict | None = None,
     check: Callable[[Path], None] | None = None,
     copy_tree: Callable[[str, str], Any] = shutil.copytree,
 ) -> bool:
     """Make `merged_dir` the submission if it clears the format floor and beats the promoted model's accuracy.
 
     Returns True when the submission now holds it, False when it was refused (format rate below the floor, or not
-    strictly better than PROMOTED.json's accuracy). Raises PromotionError when it does not load; the previous
-    submission is then untouched. `check` defaults to `check_submission`; `copy_tree` is the copy (tests break it).
+    strictly better than PROMOTED.json's accuracy). Raises PromotionError when it fails its check; the previous
+    submission is then untouched. `details` join PROMOTED.json (`check_rows`: the answers `final_check` expects).
+    `check` defaults to `check_submission` (loading only); `copy_tree` is the copy (tests break it).
     """
     if format_rate is None or format_rate < min_format_rate:
         _LOG.info("not promoting %s: format rate %s is below the floor %s", merged_dir, format_rate, min_format_rate)
@@ -72,7 +77,7 @@ def promote(
         try:
             copy_tree(str(merged_dir), str(staging))
             marker = {"trial": trial, "accuracy": accuracy, "format_rate": format_rate, "time": time.time(),
-                      "source": str(Path(merged_dir).resolve())}  # fmt: skip
+                      "source": str(Path(merged_dir).resolve()), **(details or {})}  # fmt: skip
             (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
             _fsync_tree(staging, readable=True)
             check(staging)
@@ -118,44 +123,95 @@ def _recover(submission: Path) -> None:
     _remove(submission / f".{submission.name}.incoming")
 
 
-def check_submission(path: str | os.PathLike) -> None:
-    """Load `path` as the verifier does (`from_pretrained` of the model and the processor, offline) and render the
-    chat template; raises PromotionError on failure.
-
-    It runs in a subprocess: the weights (4.4 GB in bfloat16 for the 2B model) are freed when it ends, a crash of
-    the loader cannot take the search down, and offline mode is set there as in the verifier's clean box.
-    """
-    root = Path(__file__).resolve().parents[1]
-    code = f"import sys; sys.path.insert(0, {str(root)!r}); from search.promotion import _load; _load(sys.argv[1])"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+def check_submission(
+    path: str | os.PathLike,
+    *,
+    data: str | None = None,
+    expected: dict | None = None,
+    gpus: list[int] | tuple = (),
+    batch_size: int | None = None,
+    **options: Any,
+) -> None:
+    """Check `path` as the verifier will use it (search.verification.verify: it loads, and with `expected` it gives the
+    recorded answers on those rows of the split `data`); raises PromotionError on failure."""
     try:
-        result = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
-                                timeout=_CHECK_TIMEOUT_S)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        raise PromotionError(f"{path}: loading took over {_CHECK_TIMEOUT_S} s") from None
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        raise PromotionError(f"{path} does not load: {lines[-1] if lines else f'exit code {result.returncode}'}")
+        verification.verify(path, data, expected, gpus=gpus, batch_size=batch_size, **options)
+    except verification.VerificationError as error:
+        raise PromotionError(str(error)) from None
 
 
-def _load(path: str) -> None:
-    """The verifier's loading calls (run by check_submission in a fresh interpreter)."""
-    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+@dataclass(frozen=True)
+class FinalCheck:
+    """What the check of the submission in the reserve found. `line` says it for the summary and the leaderboard."""
 
-    from evaluator.protocol import build_messages
+    passed: bool
+    line: str
+    trial: int | None = None  # what the submission holds after the check
+    restored: bool = False
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(path)
-    processor = AutoProcessor.from_pretrained(path)
-    text = processor.apply_chat_template(build_messages(None, "How many objects?"), tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
-    if "<|image_pad|>" not in text:
-        raise SystemExit(f"the chat template does not place the image: {text!r}")
-    del model
+
+def final_check(
+    submission_dir: str | os.PathLike,
+    data: str,
+    *,
+    gpus: list[int] | tuple = (),
+    batch_size: int | None = None,
+    check: Callable[..., None] | None = None,
+) -> FinalCheck:
+    """Check the submission in place as the verifier will use it, against the answers PROMOTED.json recorded. When
+    it fails, the previous submission (checked when it was promoted) is swapped back in. Never raises for a model
+    that fails: the result says so."""
+    check = check or check_submission
+    submission = Path(submission_dir)
+    marker = promoted(submission)
+    if marker is None:
+        return FinalCheck(False, f"FINAL CHECK: {submission} holds no promoted model")
+    try:
+        check(submission, data=data, expected=marker.get("check_rows"), gpus=gpus, batch_size=batch_size)
+    except PromotionError as error:
+        failure = f"FINAL CHECK FAILED: the submission (trial {marker.get('trial')}) {error}"
+    else:
+        rows = len((marker.get("check_rows") or {}).get("index", []))
+        what = f"loads and answers {rows} recorded ood_val rows as when scored" if rows else "loads (no recorded answers)"
+        return FinalCheck(True, f"final check passed: the submission (trial {marker.get('trial')}) {what}",
+                          marker.get("trial"))  # fmt: skip
+    previous = restore_previous(submission)
+    if previous is None:
+        return FinalCheck(False, f"{failure}; there is no previous submission to restore", marker.get("trial"))
+    return FinalCheck(
+        False,
+        f"{failure}; restored the previous submission (trial {previous.get('trial')}, "
+        f"{previous.get('accuracy', float('nan')):.1f}% on ood_val, checked when it was promoted)",
+        previous.get("trial"),
+        restored=True,
+    )
+
+
+def restore_previous(submission_dir: str | os.PathLike) -> dict | None:
+    """Swap the previous submission (kept aside at the last promotion) back in; returns its PROMOTED.json, or None
+    when there is none. The replaced submission is deleted (its round folder still holds the model)."""
+    submission = Path(submission_dir)
+    with _locked(_lock_path(submission)):
+        previous = _previous_path(submission)
+        marker = promoted(previous)
+        if marker is None:
+            return None
+        if not _exchange(previous, submission):
+            rejected = submission.with_name(f".{submission.name}.rejected")
+            _remove(rejected)
+            os.rename(submission, rejected)
+            os.rename(previous, submission)
+            previous = rejected
+        _remove(previous)
+        _fsync_dir(submission.parent)
+        return marker
 
 
 # ---------------------------------------------------------------------------------------------------------- runs folder
-def prune_run_dirs(study: optuna.Study, keep_rounds: int) -> list[Path]:
-    """Delete the weights of this study's finished rounds but the best one and the `keep_rounds` next best.
+def prune_run_dirs(study: optuna.Study, keep_rounds: int, *, keep: set[int] | frozenset = frozenset()) -> list[Path]:
+    """Delete the weights of this study's finished rounds but the best one, the `keep_rounds` next best, the rounds
+    in `keep` (the one the submission holds) and the parents of running rounds (`parent` user attr: a round that
+    continues another starts from its merged model).
 
     Weights are a round folder's sub-folders (merged/, checkpoints) and weight files; logs, JSON and plots stay, so
     the leaderboard and the dashboard keep every round's story. Only folders the study's trials name (user attr
@@ -164,7 +220,8 @@ def prune_run_dirs(study: optuna.Study, keep_rounds: int) -> list[Path]:
     trials = study.get_trials(deepcopy=False)
     completed = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
     completed.sort(key=lambda t: t.value, reverse=True)
-    keep = {t.number for t in completed[: keep_rounds + 1]}
+    keep = {t.number for t in completed[: keep_rounds + 1]} | set(keep)
+    keep |= {t.user_attrs["parent"] for t in trials if t.state == TrialState.RUNNING and "parent" in t.user_attrs}
     deleted = []
     for trial in trials:
         folder = trial.user_attrs.get("run_dir")
@@ -184,12 +241,12 @@ def _swap_in(staging: Path, submission: Path) -> None:
         os.rename(staging, submission)
     elif _exchange(staging, submission):
         previous = staging  # the exchange left the previous submission at the staging path
-        _keep_if_foreign(previous, submission)
+        _keep_aside(previous, submission)
     else:  # no atomic exchange here: two renames; recover_submission repairs a crash between them
         old = _old_path(submission)
         os.rename(submission, old)
         os.rename(staging, submission)
-        _keep_if_foreign(old, submission)
+        _keep_aside(old, submission)
     _fsync_dir(submission.parent)
 
 
@@ -213,9 +270,15 @@ def _exchange(a: Path, b: Path) -> bool:
     raise PromotionError(f"exchanging {a} and {b} failed: {os.strerror(err)}")
 
 
-def _keep_if_foreign(previous: Path, submission: Path) -> None:
-    """Delete the replaced submission, unless someone else put it there (no PROMOTED.json): keep that aside."""
-    if promoted(previous) is None and any(previous.iterdir()):
+def _keep_aside(previous: Path, submission: Path) -> None:
+    """The replaced submission: a promoted one becomes `.<name>.previous` (replacing the one before it), for
+    `restore_previous`; one someone else put there (no PROMOTED.json) is kept as `<name>.before-search`."""
+    if promoted(previous) is not None:
+        target = _previous_path(submission)
+        _remove(target)
+        os.rename(previous, target)
+        return
+    if any(previous.iterdir()):
         aside = submission.with_name(f"{submission.name}.before-search")
         if not aside.exists():
             os.rename(previous, aside)
@@ -248,6 +311,10 @@ def _lock_path(submission: Path) -> Path:
 
 def _old_path(submission: Path) -> Path:
     return submission.with_name(f"{submission.name}.old")
+
+
+def _previous_path(submission: Path) -> Path:
+    return submission.with_name(f".{submission.name}.previous")
 
 
 @contextlib.contextmanager

@@ -11,6 +11,14 @@ Several schedulers may share one study (each on its own GPUs): each stamps its t
 heartbeat, and a RUNNING trial is declared orphaned only when its worker is provably dead (same host, no such
 process) or its heartbeat is stale. Optuna's own heartbeat runs only inside `optimize()`, not with ask/tell.
 
+Round 0 scores the base model (recipe `base`, queued first when the study is created): it is the first candidate
+for the submission (the format floor does not apply to it), so that a search whose every round fails still hands in
+a scored, loadable model, and the reference every round's lead is measured against. A round whose `init` is `best`
+starts from the merged model of the best round so far that this box could promote (its weights still on disk, its
+format above the floor; the base when there is none): it never waits for a round still being scored. Each trial
+records its `parent` and its `total_steps` from the base. After the last round, the reserve is used to check the
+submission as the verifier will use it (`final_check`).
+
 Everything time-related goes through `clock`, so `--simulate` runs a 7.5-hour search in seconds.
 """
 
@@ -29,10 +37,12 @@ from typing import Callable
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from search import space
+from search import selection, space
 from search.backend import TRAINING, Backend, RoundHandle, RoundOutcome
 from search.clock import Clock
 from search.duration import DurationModel
+from search.study import FINAL_CHECK_ATTR
+from search.verification import CHECK_ROWS
 from trainer.config import ConfigError, TrialConfig
 
 POLL_S = 5.0  # between two polls of the running rounds
@@ -50,15 +60,29 @@ OOD_ROWS_GUESS = 1000  # the brief's ood_val size, for the duration prior when o
 # avoid, instead of FAIL, which TPE ignores (it models COMPLETE, PRUNED and RUNNING trials only) and so would keep
 # sampling there. The trial's `state` attribute still says "failed".
 CONFIG_FAILURES = ("NaN", "out of memory")
+# Round 0 may take this many times its predicted evaluation (and at least round_min_minutes) before it is killed: it
+# is the fallback submission, and the first evaluation's prediction is the prior's.
+BASE_ALLOTMENT_FACTOR = 4.0
 
 PromoteHook = Callable[[RoundOutcome, optuna.Trial], bool]
 RoundEndHook = Callable[[FrozenTrial, RoundOutcome], None]
+# final_check(gpus) -> (passed, line): the submission checked in the reserve (None: nothing to check).
+FinalCheckHook = Callable[[list[int]], "tuple[bool, str]"]
+
+
+@dataclass(frozen=True)
+class _Parent:
+    """The model a round starts from: a scored trial (None when the base has no trial yet) and its weights."""
+
+    trial: int | None
+    model_path: str
+    total_steps: int
 
 
 @dataclass
 class _Round:
     trial: optuna.Trial
-    config: TrialConfig
+    config: TrialConfig | None  # None: round 0, which scores the base model and trains nothing
     gpus: list[int]
     handle: RoundHandle
     started: float
@@ -66,6 +90,7 @@ class _Round:
     stop_at: float  # request a stop here if training still runs
     kill_at: float
     last_line_at: float  # for the hang check
+    parent: _Parent | None = None  # what a training round started from
     latest: dict = field(default_factory=dict)  # last progress line
     latest_ood: float | None = None
     pruned: str | None = None  # the reason, once the pruner said so
@@ -84,12 +109,14 @@ class Scheduler:
         on_round_end: RoundEndHook | None = None,
         promote: PromoteHook | None = None,
         on_round_scored: RoundEndHook | None = None,
+        final_check: FinalCheckHook | None = None,
     ):
         """`promote(outcome, trial) -> bool` is called with a round that beats the best promoted score (None: the
         real promotion into `settings.submission_path`; a simulated search passes a recorder). `on_round_end(trial,
         outcome)` runs after each round is told (run_search writes the leaderboard there); `on_round_scored(trial,
         outcome)` just before, with the live trial (run_search attaches the round's plot to it: Optuna takes no
-        artifact on a finished trial)."""
+        artifact on a finished trial). `final_check(gpus) -> (passed, line)` checks the submission in the reserve
+        (None: the real `search.promotion.final_check` with the real promotion, nothing with a recorder)."""
         self.settings = settings
         self.study = study
         self.deadline = deadline
@@ -99,6 +126,8 @@ class Scheduler:
         self.on_round_scored = on_round_scored
         self.promote = promote or self._promote_to_submission
         self._into_submission = promote is None  # the real promotion: the submission's PROMOTED.json is the best
+        self.final_check = final_check or (self._check_submission if promote is None else None)
+        self.final_check_result: tuple[bool, str] | None = None
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         eval_rows = (settings.ood_rows or OOD_ROWS_GUESS) + settings.val_rows
         self.duration = DurationModel(
@@ -116,6 +145,7 @@ class Scheduler:
         self._running: dict[int, _Round] = {}  # slot index -> round
         self._closed: str | None = None  # why no more rounds start
         self._failures = 0  # consecutive failed rounds
+        self._base_due = False  # round 0 is to be scored next, ahead of the queue (a resumed study, a failed one)
         self._misfits = 0  # consecutive configurations too slow for any round
         self._best: tuple[float, int] | None = None  # (promoted ood accuracy, trial number)
         self._first_seen: dict[int, float] = {}  # RUNNING trials without a heartbeat yet
@@ -149,23 +179,38 @@ class Scheduler:
         finally:
             self._abandon_running()
         self._say(self.clock.now(), f"search over: {self._closed}; {self._best_text()}")
+        self._check_in_reserve()
 
     def _launch(self, slot: int, now: float) -> None:
         allotted = min(self.end_of_rounds - now, 60.0 * self.settings.round_max_minutes)
-        if allotted < 60.0 * self.settings.round_min_minutes:
+        no_time = allotted < 60.0 * self.settings.round_min_minutes
+        base_fits = now + self.duration.eval_seconds() <= self.deadline  # it may use the reserve, not more
+        if no_time and not (base_fits and (self._base_due or self._base_waiting())):
             left = _minutes(self.end_of_rounds - now)
             self._close(now, f"no time left for a useful round ({left} before the reserve)")
             return
-        trial = self.study.ask()
+        if self._base_due and base_fits:
+            trial, self._base_due = self._new_base_trial(), False
+        else:
+            trial = self.study.ask()
         trial.set_user_attr("worker", self.worker)
         trial.set_user_attr("heartbeat", now)
-        # Per study: several studies (the demo, a renamed study) may share one runs folder.
-        run_dir = Path(self.settings.runs_dir) / self.settings.study_name / f"round-{trial.number:04d}"
+        if trial.user_attrs.get("recipe") == space.BASE:
+            self._launch_base(trial, slot, now)
+            return
+        if no_time:  # another worker took the base a moment ago
+            self._tell_failed(trial, "no time left for a useful round", now, count=False)
+            self._close(now, f"no time left for a useful round ({_minutes(self.end_of_rounds - now)} before the reserve)")
+            return
+        run_dir = self._run_dir(trial)
         try:
             config = space.sample_config(trial, self.settings, str(run_dir))
         except ConfigError as error:  # a sampled combination the trainer would refuse
             self._tell_failed(trial, f"invalid configuration: {error}", now)
             return
+        init = space.sampled_init(trial)
+        parent = self._parent(init)
+        config = config.replace(model_path=parent.model_path)
         # A late round is stopped early enough to finish its longest step and its predicted save and evaluation
         # within the allotment, so the steps are fitted with that step and a safety share to spare: a round
         # predicted right never meets its stop. It is killed if even that overruns.
@@ -182,6 +227,9 @@ class Scheduler:
         gpus = self._slots[slot]
         for key, value in {
             "config": config.to_dict(),
+            "init": init,
+            "parent": parent.trial,
+            "parent_total_steps": parent.total_steps,
             "steps": config.steps,
             "predicted_s": round(estimate.total, 1),
             "allotted_s": round(allotted, 1),
@@ -206,13 +254,82 @@ class Scheduler:
             stop_at=end_by - estimate.tail - step_s,
             kill_at=min(end_by + GRACE_SHARE * allotted, self.end_of_rounds),
             last_line_at=now,
+            parent=parent,
         )
         cut = f" (cut from {sampled_steps})" if steps < sampled_steps else ""
+        origin = "the base" if parent.model_path == self.settings.model_path else f"round {parent.trial}"
         self._say(
             now,
-            f"round {trial.number} starts on {_gpus(gpus)}: {_describe(config)}, {config.steps} steps{cut}, "
-            f"predicted {_minutes(estimate.total)} of {_minutes(allotted)}",
+            f"round {trial.number} starts on {_gpus(gpus)} from {origin}: {_describe(config)}, {config.steps} "
+            f"steps{cut}, predicted {_minutes(estimate.total)} of {_minutes(allotted)}",
         )
+
+    def _launch_base(self, trial: optuna.Trial, slot: int, now: float) -> None:
+        """Round 0: score the base model with the evaluations of every round. It may run into the reserve (it is the
+        fallback submission) but not past the deadline."""
+        run_dir = self._run_dir(trial)
+        predicted = self.duration.eval_seconds()
+        allotted = max(BASE_ALLOTMENT_FACTOR * predicted, 60.0 * self.settings.round_min_minutes)
+        end_by = min(self.deadline, now + allotted)
+        gpus = self._slots[slot]
+        for key, value in {
+            "steps": 0,
+            "total_steps": 0,
+            "predicted_s": round(predicted, 1),
+            "allotted_s": round(end_by - now, 1),
+            "run_dir": str(run_dir),
+            "gpus": gpus,
+            "started_at": now,
+        }.items():
+            trial.set_user_attr(key, value)
+        try:
+            handle = self.backend.score(self.settings.model_path, str(run_dir), gpus)
+        except OSError as error:
+            self._tell_failed(trial, f"could not start scoring the base model: {error}", now)
+            self._requeue_base(trial.number, now)
+            return
+        self._running[slot] = _Round(trial, None, gpus, handle, now, end_by, stop_at=end_by, kill_at=end_by,
+                                     last_line_at=now)  # fmt: skip
+        self._say(now, f"round {trial.number} starts on {_gpus(gpus)}: scoring the base model, predicted "
+                       f"{_minutes(predicted)}")  # fmt: skip
+
+    def _run_dir(self, trial: optuna.Trial) -> Path:
+        # Per study: several studies (the demo, a renamed study) may share one runs folder.
+        return Path(self.settings.runs_dir) / self.settings.study_name / f"round-{trial.number:04d}"
+
+    def _parent(self, init: str) -> _Parent:
+        """What a round of `init` starts from: the base, or the best promotable round whose weights are here."""
+        trials = self.study.get_trials(deepcopy=False)
+        bases = [t for t in trials if t.user_attrs.get("recipe") == space.BASE]
+        scored_bases = [t for t in bases if t.state == TrialState.COMPLETE and t.value is not None]
+        base_trial = (scored_bases or bases or [None])[0]
+        base = _Parent(base_trial.number if base_trial else None, self.settings.model_path, 0)
+        if init == "base":
+            return base
+        best: FrozenTrial | None = scored_bases[0] if scored_bases else None
+        for t in trials:
+            attrs = t.user_attrs
+            if t.state != TrialState.COMPLETE or t.value is None or attrs.get("recipe") == space.BASE:
+                continue
+            promotable = (attrs.get("format_rate") or 0.0) >= self.settings.min_format_rate
+            if not promotable or "promotion_error" in attrs or not attrs.get("merged_dir"):
+                continue
+            if (best is None or t.value > best.value) and self.backend.has_weights(attrs["merged_dir"]):
+                best = t
+        if best is None or best.user_attrs.get("recipe") == space.BASE:
+            return base
+        return _Parent(best.number, best.user_attrs["merged_dir"], int(best.user_attrs.get("total_steps", 0)))
+
+    def _base_waiting(self) -> bool:
+        waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        return any(t.user_attrs.get("recipe") == space.BASE for t in waiting)
+
+    def _new_base_trial(self) -> optuna.Trial:
+        """A round 0 claimed at once, ahead of the queue (enqueue_trial would put it behind any waiting warm start).
+        Optuna's public API creates RUNNING trials only through ask(), which pops the queue first: hence its storage."""
+        template = optuna.trial.create_trial(state=TrialState.RUNNING, user_attrs={"recipe": space.BASE})
+        trial_id = self.study._storage.create_new_trial(self.study._study_id, template_trial=template)
+        return optuna.trial.Trial(self.study, trial_id)
 
     def _misfit(self, trial: optuna.Trial, config: TrialConfig, allotted: float, now: float) -> None:
         """Not even the shortest useful version of the sampled round fits in its allotment. Near the end (the time
@@ -290,6 +407,7 @@ class Scheduler:
         outcome.state, outcome.reason = state, reason
 
         self.duration.observe(r.config, outcome.steps_done, outcome.timings)  # the backend reports what was measured
+        scored = state in ("completed", "stopped")
         attrs = {
             "state": state,
             "reason": reason,
@@ -300,11 +418,18 @@ class Scheduler:
             "duration_s": round(now - r.started, 1),
             "ended_at": now,
             "timings": {key: round(float(value), 1) for key, value in outcome.timings.items()},
+            "total_steps": (r.parent.total_steps if r.parent else 0) + outcome.steps_done,
         }
+        if scored:
+            attrs["merged_dir"] = outcome.merged_dir
+            if outcome.ood_rows:
+                attrs[selection.OOD_ROWS] = selection.rows_attr(outcome.ood_rows)
         for key, value in attrs.items():
             r.trial.set_user_attr(key, value)
-        if state in ("completed", "stopped") and (self._best is None or outcome.ood_accuracy > self._best[0]):
+        if scored and (self._best is None or outcome.ood_accuracy > self._best[0]):
             self._promote(r.trial, outcome)
+        if r.config is None and not scored:
+            self._requeue_base(r.trial.number, now)
 
         if self.on_round_scored is not None:
             self.on_round_scored(r.trial, outcome)
@@ -336,16 +461,59 @@ class Scheduler:
             self._say(self.clock.now(), f"round {trial.number} promoted: ood {outcome.ood_accuracy:.1f}%")
 
     def _promote_to_submission(self, outcome: RoundOutcome, trial: optuna.Trial) -> bool:
-        from search.promotion import promote  # late: it loads transformers to check a submission
+        """The real promotion, checked on the round's own GPUs (free until the next round starts there) against the
+        answers its evaluation recorded. The base is promoted whatever its format rate: it is the fallback."""
+        from search import promotion, verification
 
-        return promote(
+        s = self.settings
+        expected = verification.expected_answers(outcome.ood_rows) if outcome.ood_rows else None
+        gpus = trial.user_attrs.get("gpus", [])
+
+        def check(path: Path) -> None:
+            promotion.check_submission(path, data=s.ood_val_path, expected=expected, gpus=gpus,
+                                       batch_size=s.eval_batch_size)  # fmt: skip
+
+        base = trial.user_attrs.get("recipe") == space.BASE
+        return promotion.promote(
             outcome.merged_dir,
-            self.settings.submission_path,
-            min_format_rate=self.settings.min_format_rate,
+            s.submission_path,
+            min_format_rate=0.0 if base else s.min_format_rate,
             format_rate=outcome.format_rate,
             accuracy=outcome.ood_accuracy,
             trial=trial.number,
+            details={"recipe": trial.user_attrs.get("recipe"), "check_rows": expected},
+            check=check,
         )
+
+    def _check_submission(self, gpus: list[int]) -> tuple[bool, str]:
+        from search.promotion import final_check
+
+        result = final_check(self.settings.submission_path, self.settings.ood_val_path, gpus=gpus,
+                             batch_size=self.settings.eval_batch_size)  # fmt: skip
+        return result.passed, result.line
+
+    def _check_in_reserve(self) -> None:
+        """The reserve's use: the submission checked as the verifier will use it, when the time left allows."""
+        if self.final_check is None:
+            return
+        now = self.clock.now()
+        if now + self.duration.check_seconds(CHECK_ROWS) > self.deadline:
+            passed, line = False, f"FINAL CHECK SKIPPED: {_minutes(self.deadline - now)} left, too little to check"
+        else:
+            passed, line = self.final_check(self._slots[0])
+        self.final_check_result = (passed, line)
+        with contextlib.suppress(Exception):  # the line is printed whatever the storage does
+            self.study.set_user_attr(FINAL_CHECK_ATTR, {"passed": passed, "line": line, "worker": self.worker,
+                                                        "time": self.clock.now()})  # fmt: skip
+        self._say(self.clock.now(), line)
+
+    def _requeue_base(self, number: int, now: float) -> None:
+        """Round 0 did not give a score: score the base once more, next (it is the fallback submission); at most
+        twice a study."""
+        tried = [t for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get("recipe") == space.BASE]
+        if len(tried) < 2:
+            self._base_due = True
+            self._say(now, f"round {number} gave the base model no score: it is scored once more, next")
 
     def _tell_failed(self, trial: optuna.Trial, reason: str, now: float, *, count: bool = True) -> None:
         trial.set_user_attr("state", "failed")
@@ -368,12 +536,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ sharing the study, resuming
     def _learn_from_history(self) -> None:
-        """A resumed search keeps what earlier runs learnt: their timings and their promoted best."""
+        """A resumed search keeps what earlier runs learnt: their timings and their promoted best. A study whose base
+        model has no score and is not being scored (a study of an older search, round 0 killed) queues it again."""
         finished = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+        live = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
+        trials = self.study.get_trials(deepcopy=False, states=live)
+        self._base_due = not any(t.user_attrs.get("recipe") == space.BASE for t in trials)
         for t in self.study.get_trials(deepcopy=False, states=finished):
             attrs = t.user_attrs
-            if "config" in attrs and "timings" in attrs:
-                config = TrialConfig.from_dict(attrs["config"])
+            if "timings" in attrs and ("config" in attrs or attrs.get("recipe") == space.BASE):
+                config = TrialConfig.from_dict(attrs["config"]) if "config" in attrs else None
                 self.duration.observe(config, attrs.get("steps_done", 0), attrs["timings"])
             if self._into_submission:
                 continue

@@ -354,8 +354,10 @@ def _check_warm_starts(value: Any, space: dict) -> list[dict]:
         if not isinstance(entry, Mapping) or set(entry) != {"name", "params"}:
             raise SettingsError(f"{key}: must have exactly the keys name and params, got {entry!r}")
         name = _text(f"{key}.name", entry["name"])
-        if name in names or name == "sampled":
-            raise SettingsError(f"{key}.name: {name!r} is taken (names are unique; 'sampled' marks sampled trials)")
+        if name in names or name in (space_module.SAMPLED, space_module.BASE):
+            raise SettingsError(
+                f"{key}.name: {name!r} is taken (names are unique; 'sampled' marks sampled trials, 'base' round 0)"
+            )
         names.add(name)
         if not isinstance(entry["params"], Mapping):
             raise SettingsError(f"{key}.params: must be a mapping of TrialConfig options, got {entry['params']!r}")

@@ -6,10 +6,14 @@ configuration that is not the DurationModel's prior (other coefficients, a batch
 per-round noise), so the model has something to learn. Its accuracies come from a landscape built from the brief's
 evidence: paying the verifier's answer and a clean format, a small KL, a learning rate near the sweet spot of LoRA
 or full fine-tuning (LoRA ~10x higher), short completions, no forced chain-of-thought; the inherited R1-V-like
-recipe lands clearly lower. Some rounds fail: a seeded few at random, LoRA rates far above the sweet spot with a
+recipe lands clearly lower. A round started from another round's merged model (`init: best`) starts from that
+model's accuracy and moves toward what its own configuration reaches (up if that is higher, partly down if lower),
+and long chains decay like long rounds (by the total steps from the base). Every scored model answers each row of a
+fixed ood_val: row i has a hidden difficulty, and a model answers it right when that difficulty, blurred per model,
+is below the model's accuracy, so two models' scores compare row by row as real ones do. Some rounds fail: a seeded few at random, LoRA rates far above the sweet spot with a
 NaN loss, and a seeded few hang (no more progress, no exit, deaf to STOP) until the scheduler kills them.
-Nothing is written to disk: `merged_dir` names a folder that does not exist, so a simulated search passes a
-recording `promote` to the Scheduler.
+Nothing is written to disk: `merged_dir` names a folder that does not exist (the backend remembers the models it
+made), so a simulated search passes a recording `promote` to the Scheduler.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ PEAK_LR = {"lora": 2e-5, "full": 2e-6}
 NAN_LR_FACTOR = 4.0  # LoRA rates this far above the peak may diverge
 RANDOM_FAILURE = 0.03
 RANDOM_HANG = 0.02
+ROW_BLUR = 0.05  # per model and row: how far a row's difficulty moves for one model (paired rounds differ near it)
+REGRESSION_SHARE = 0.5  # of the way down to a worse configuration's level that a child round goes
 
 
 class SimulatedBackend:
@@ -60,9 +66,32 @@ class SimulatedBackend:
         self.failure_rate = failure_rate
         self.hang_rate = hang_rate
         self._rng = random.Random(seed)
+        rows = random.Random(f"rows-{seed}")
+        self.row_difficulty = [rows.random() for _ in range(settings.ood_rows or OOD_ROWS)]
+        # merged_dir -> (noise-free OOD accuracy, total steps from the base, clean format) of every saved model
+        self._models: dict[str, tuple[float, int, bool]] = {}
 
     def start(self, config: TrialConfig, gpus: list[int]) -> "SimulatedRound":
         return SimulatedRound(self, config, random.Random(self._rng.getrandbits(64)))
+
+    def score(self, model_dir: str, run_dir: str, gpus: list[int]) -> "SimulatedRound":
+        return SimulatedRound(self, None, random.Random(self._rng.getrandbits(64)), model_dir=model_dir)
+
+    def has_weights(self, merged_dir: str) -> bool:
+        return merged_dir == self.settings.model_path or merged_dir in self._models
+
+    def start_point(self, model_path: str) -> tuple[float, int, bool]:
+        """(noise-free accuracy, total steps from the base, clean answer format) of the model a round starts from;
+        anything this backend did not make is the base model."""
+        return self._models.get(model_path, (BASE_OOD, 0, False))
+
+    def remember(self, merged_dir: str, accuracy: float, total_steps: int, clean_format: bool) -> None:
+        self._models[merged_dir] = (accuracy, total_steps, clean_format)
+
+    def answers(self, accuracy: float, rng: random.Random) -> list[bool]:
+        """Per ood_val row, whether a model of this noise-free accuracy answers it right."""
+        level = accuracy / 100.0
+        return [d + rng.gauss(0.0, ROW_BLUR) < level for d in self.row_difficulty]
 
 
 def true_duration(config: TrialConfig, settings) -> float:
@@ -72,8 +101,9 @@ def true_duration(config: TrialConfig, settings) -> float:
     return parts["setup"] + config.steps * parts["step"] + evals * parts["inround_eval"] + parts["save"] + parts["eval"]
 
 
-def true_accuracy(config: TrialConfig, step: int) -> float:
-    """The noise-free OOD accuracy (percent) after `step` steps of `config`."""
+def true_accuracy(config: TrialConfig, step: int, *, start: float = BASE_OOD, steps_before: int = 0) -> float:
+    """The noise-free OOD accuracy (percent) after `step` steps of `config`, from a model of accuracy `start` that
+    `steps_before` steps of earlier rounds made (the base: BASE_OOD, 0)."""
     w = config.reward_weights
     clean_format = w.get("answer_format", 0) > 0 or w.get("brevity", 0) > 0
     reward = 0.55 + 0.3 * (w.get("accuracy", 0) > 0) + 0.15 * clean_format + 0.05 * (w.get("count_closeness", 0) > 0)
@@ -85,16 +115,27 @@ def true_accuracy(config: TrialConfig, step: int) -> float:
     peak = _peak_lr(config)
     lr = math.exp(-(math.log10(config.learning_rate / peak) ** 2) / (2 * 0.4**2))
     tau = 40.0 * max(0.5, peak / config.learning_rate) ** 0.7  # slower rates learn slower
-    learned = (1 - math.exp(-step / tau)) * math.exp(-max(0, step - 400) / 1500)  # later checkpoints decay
-    return min(100.0, BASE_OOD + MAX_GAIN * min(1.0, reward) * beta * length * group * lr * learned)
+    level = BASE_OOD + MAX_GAIN * min(1.0, reward) * beta * length * group * lr  # what this configuration reaches
+    moved = 1 - math.exp(-step / tau)
+    if level < start:
+        moved *= REGRESSION_SHARE
+    decay = math.exp(-max(0, steps_before + step - 400) / 1500)  # later checkpoints decay
+    return min(100.0, BASE_OOD + (start + (level - start) * moved - BASE_OOD) * decay)
 
 
 class SimulatedRound:
-    def __init__(self, backend: SimulatedBackend, config: TrialConfig, rng: random.Random):
+    """A GRPO round of `config`, or (config None) only the evaluation of the model at `model_dir`."""
+
+    def __init__(
+        self, backend: SimulatedBackend, config: TrialConfig | None, rng: random.Random, *, model_dir: str = ""
+    ):
+        self._backend = backend
         self._clock = backend.clock
         self._config = config
         self._rng = rng
         self._started = self._clock.now()
+        self._start_point = backend.start_point(config.model_path if config else model_dir)
+        self._merged = str(Path(config.output_dir) / "merged") if config else model_dir
         parts = _true_parts(config, backend.settings)
         noise = lambda sigma: math.exp(rng.gauss(0.0, sigma))  # noqa: E731 - per-part lognormal noise
         self._setup = parts["setup"] * noise(0.05)
@@ -102,11 +143,13 @@ class SimulatedRound:
         self._inround_eval = parts["inround_eval"] * noise(0.05)
         self._save = parts["save"] * noise(0.05)
         self._eval = parts["eval"] * noise(0.03)
-        self._planned = config.steps
+        self._planned = config.steps if config else 0
         self._failure: tuple[int, str] | None = None  # (steps done, reason)
         self._hang_step: int | None = None  # the last step a hung round completes
         draw = rng.random()
-        if draw < backend.failure_rate:
+        if config is None:
+            pass  # scoring a saved model: no training to fail
+        elif draw < backend.failure_rate:
             self._failure = (0, "simulated failure: CUDA error: an illegal memory access was encountered")
         elif draw < backend.failure_rate + backend.hang_rate:
             self._hang_step = rng.randint(0, config.steps - 1)
@@ -121,7 +164,7 @@ class SimulatedRound:
 
     # ------------------------------------------------------------------ the timeline
     def _step_end(self, step: int) -> float:
-        evals = step // self._config.eval_every if self._config.eval_every else 0
+        evals = step // self._config.eval_every if self._config and self._config.eval_every else 0
         return self._started + self._setup + step * self._step + evals * self._inround_eval
 
     def _last_step(self) -> int:
@@ -182,8 +225,9 @@ class SimulatedRound:
         if not self.done():
             raise RuntimeError("outcome() before done()")
         steps = self._last_step()
-        merged = str(Path(self._config.output_dir) / "merged")
         timings = {"setup": self._setup, "train": self._train_end() - self._started - self._setup, "save": self._save}
+        if self._config is None:
+            timings = {}
         if self._killed:
             when, phase = self._killed
             if phase != EVALUATING:  # the trainer's status died with it
@@ -192,11 +236,16 @@ class SimulatedRound:
         if self._failure:
             return _failed(self._failure[1], steps, {})
         state = "completed" if steps == self._planned else "stopped"
-        if not self._evaluate:
-            return RoundOutcome(state, None, None, None, None, None, steps, timings, merged)
-        timings["eval"] = self._eval
-        ood = _clip(true_accuracy(self._config, steps) + self._rng.gauss(0.0, 1.0))
+        accuracy, total_steps = self._true_accuracy(steps), self._start_point[1] + steps
         clean = self._clean_format()
+        if self._config is not None:
+            self._backend.remember(self._merged, accuracy, total_steps, clean)
+        if not self._evaluate:
+            return RoundOutcome(state, None, None, None, None, None, steps, timings, self._merged)
+        timings["eval"] = self._eval
+        right = self._backend.answers(accuracy, self._rng)
+        ood = 100.0 * sum(right) / len(right)
+        golds = [3] * len(right)  # the simulated rows' counts; only right and wrong matter
         return RoundOutcome(
             state=state,
             reason=None,
@@ -206,16 +255,25 @@ class SimulatedRound:
             mean_completion_tokens=12.0 if clean else 95.0,
             steps_done=steps,
             timings=timings,
-            merged_dir=merged,
+            merged_dir=self._merged,
+            ood_rows={"index": list(range(len(right))), "gold": golds, "answer": [3 if r else None for r in right]},
         )
 
     # ------------------------------------------------------------------ helpers
+    def _true_accuracy(self, step: int) -> float:
+        start, steps_before, _ = self._start_point
+        if self._config is None:
+            return start
+        return true_accuracy(self._config, step, start=start, steps_before=steps_before)
+
     def _clean_format(self) -> bool:
+        if self._config is None:
+            return self._start_point[2]
         w = self._config.reward_weights
         return (w.get("answer_format", 0) > 0 or w.get("brevity", 0) > 0) and not w.get("think_format", 0) > 0
 
     def _line(self, step: int) -> dict:
-        acc = true_accuracy(self._config, step) / 100
+        acc = self._true_accuracy(step) / 100
         fmt = 0.95 if self._clean_format() else 0.6
         rewards = {name: (acc if name == "accuracy" else fmt) for name in self._config.reward_weights}
         line = {
@@ -231,23 +289,26 @@ class SimulatedRound:
         }
         if self._config.eval_every and step % self._config.eval_every == 0:
             # The in-round subset is small (eval_rows): its score is noisy.
-            line["ood_accuracy"] = _clip(true_accuracy(self._config, step) + self._rng.gauss(0.0, 3.0))
+            line["ood_accuracy"] = _clip(self._true_accuracy(step) + self._rng.gauss(0.0, 3.0))
         return line
 
 
-def _true_parts(config: TrialConfig, settings) -> dict[str, float]:
+def _true_parts(config: TrialConfig | None, settings) -> dict[str, float]:
+    eval_rows = (settings.ood_rows or OOD_ROWS) + settings.val_rows
+    evaluation = (2 if settings.val_rows else 1) * TRUE_EVAL_LOAD_S + eval_rows * TRUE_EVAL_ROW_S
+    if config is None:  # scoring only
+        return {"setup": 0.0, "step": 0.0, "inround_eval": 0.0, "save": 0.0, "eval": evaluation}
     batch = config.prompts_per_step * config.num_generations * config.generation_steps
     decode = TRUE_DECODE_FULL_S if config.full_finetuning else TRUE_DECODE_LORA_S
     length = TRUE_COMPLETION_SHARE * config.max_completion_length
     step = (length / config.generation_steps) * decode * (1 + TRUE_BATCH_EFFECT * batch)
     step += config.prompts_per_step * config.num_generations * length * TRUE_TOKEN_S
-    eval_rows = (settings.ood_rows or OOD_ROWS) + settings.val_rows
     return {
         "setup": TRUE_SETUP_S,
         "step": step,
         "inround_eval": config.eval_rows * TRUE_INROUND_ROW_S,
         "save": TRUE_SAVE_S,
-        "eval": (2 if settings.val_rows else 1) * TRUE_EVAL_LOAD_S + eval_rows * TRUE_EVAL_ROW_S,
+        "eval": evaluation,
     }
 
 

@@ -9,6 +9,10 @@ TrialConfig's names). Conditional options get distinct parameter names, so that 
 - `use_kl`, then `beta` (log-uniform) only when the KL term is on, so beta = 0 (no reference model) is a real option;
 - `lora_rank` (0 = full fine-tuning), then `lr_lora` or `lr_full`: LoRA wants ~10x the full fine-tuning rate, and one
   range for both would waste most samples.
+
+`init` is the one searched option that is not a TrialConfig field: where the round starts, `base` (the base model) or
+`best` (the merged model of the best scored round so far). The scheduler resolves it into the config's `model_path`
+(`sampled_init`), since which round is best is known only when the round starts.
 """
 
 from __future__ import annotations
@@ -34,11 +38,18 @@ RANGE_OPTIONS = {
     "temperature": ("temperature", "temperature", "float"),
     "steps": ("steps", "steps", "int"),
 }
-SPACE_KEYS = ("reward_weights", *CHOICE_OPTIONS, *RANGE_OPTIONS)
+# Where a round starts: the base model, or the best scored round so far (population-based training's exploit step).
+INITS = ("base", "best")
+SPACE_KEYS = ("init", "reward_weights", *CHOICE_OPTIONS, *RANGE_OPTIONS)
 # The rewards whose weights may not both be 0: without either, nothing pays the verifier's answer.
 CORE_REWARDS = ("accuracy", "answer_format")
 # TrialConfig fields a warm start may set; every other field comes from `fixed`, the prune settings or the paths.
 SEARCHED_FIELDS = ("reward_weights", "beta", "learning_rate", "steps", "temperature", *CHOICE_OPTIONS)
+# What a warm start's `params` may set: the searched TrialConfig fields, and `init`.
+WARM_START_KEYS = ("init", *SEARCHED_FIELDS)
+# The `recipe` user attribute of a trial: a warm start's name, SAMPLED, or BASE for round 0, which trains nothing and
+# scores the base model (the fallback submission and the reference every round is compared with).
+SAMPLED, BASE = "sampled", "base"
 # The answer_format weight's parameter when accuracy is 0: its choices exclude 0, so a distribution of its own.
 ANSWER_FORMAT_ALONE = "w_answer_format_alone"
 
@@ -57,8 +68,9 @@ def sample_config(trial: optuna.Trial, settings: "Settings", output_dir: str) ->
     """The round configuration of `trial`: searched options from the trial, the rest from `settings`."""
     space = settings.space
     if "recipe" not in trial.user_attrs:  # enqueued warm starts carry their name; everything else was sampled
-        trial.set_user_attr("recipe", "sampled")
+        trial.set_user_attr("recipe", SAMPLED)
 
+    trial.suggest_categorical("init", space["init"])  # read back with sampled_init; see the module docstring
     lora_rank = trial.suggest_categorical("lora_rank", space["lora_rank"])
     lr_option = "learning_rate_lora" if lora_rank > 0 else "learning_rate_full"
     use_kl = trial.suggest_categorical("use_kl", [False, True])
@@ -85,6 +97,11 @@ def sample_config(trial: optuna.Trial, settings: "Settings", output_dir: str) ->
         eval_seed=settings.seed,
         **settings.fixed,
     )
+
+
+def sampled_init(trial: optuna.Trial) -> str:
+    """Where the round of `trial` starts: "base" or "best" (see `INITS`)."""
+    return trial.params.get("init", "base")
 
 
 def with_steps(config: TrialConfig, steps: int) -> TrialConfig:
@@ -124,10 +141,12 @@ def warm_start_params(recipe: Mapping[str, Any], space: Mapping[str, Any]) -> di
     Every value must lie in the space, so that the sampler's distributions contain the enqueued trial. Options the
     recipe leaves out are sampled; rewards it leaves out get weight 0.
     """
-    unknown = sorted(set(recipe) - set(SEARCHED_FIELDS))
+    unknown = sorted(set(recipe) - set(WARM_START_KEYS))
     if unknown:
-        raise SpaceError(unknown[0], f"not a searched option; searched: {list(SEARCHED_FIELDS)} (set the others in fixed)")
+        raise SpaceError(unknown[0], f"not a searched option; searched: {list(WARM_START_KEYS)} (set the others in fixed)")
     params: dict[str, Any] = {}
+    if "init" in recipe:
+        params["init"] = _in_choices("init", recipe["init"], space["init"], "space.init")
     if "reward_weights" in recipe:
         params.update(_reward_params(recipe["reward_weights"], space["reward_weights"]))
     if "beta" in recipe:
@@ -199,12 +218,23 @@ def check_space(space: Any) -> dict[str, Any]:
     missing = [key for key in SPACE_KEYS if key not in space]
     if missing:
         raise SpaceError(missing[0], "missing")
-    checked: dict[str, Any] = {"reward_weights": _check_reward_weights(space["reward_weights"])}
+    checked: dict[str, Any] = {
+        "init": _check_init(space["init"]),
+        "reward_weights": _check_reward_weights(space["reward_weights"]),
+    }
     for option in CHOICE_OPTIONS:
         checked[option] = _check_choices(option, space[option])
     for option in RANGE_OPTIONS:
         checked[option] = _check_range(option, space[option])
     return checked
+
+
+def _check_init(choices: Any) -> list[str]:
+    if not isinstance(choices, list) or not choices or any(choice not in INITS for choice in choices):
+        raise SpaceError("init", f"must be a non-empty list of {list(INITS)}, got {choices!r}")
+    if len(set(choices)) != len(choices):
+        raise SpaceError("init", f"has a repeated choice: {choices}")
+    return list(choices)
 
 
 def _check_reward_weights(value: Any) -> dict[str, list[float]]:

@@ -19,6 +19,8 @@ from search import space
 from search.settings import PRUNERS, SAMPLERS, Settings, one_line
 
 DEADLINE_ATTR = "deadline"  # unix seconds; set once, at creation, and kept by every resumed run
+# {passed, line, worker, time}: the last check of a submission in the reserve (search.promotion.final_check)
+FINAL_CHECK_ATTR = "final_check"
 # How long a study without a deadline is given for its creator (another worker, a moment earlier) to store one.
 DEADLINE_WAIT_S = 5.0
 # Attempts at opening a database whose schema another worker is creating at the same moment.
@@ -79,6 +81,7 @@ def open_study(settings: Settings, *, now: float) -> tuple[optuna.Study, float]:
             deadline = now + settings.hours * 3600.0
             study.set_user_attr(DEADLINE_ATTR, deadline)
             study.set_user_attr("hours", settings.hours)
+            enqueue_base(study)  # first in the queue: scored while the first rounds train
             for recipe in settings.warm_starts:
                 study.enqueue_trial(
                     space.warm_start_params(recipe["params"], settings.space), user_attrs={"recipe": recipe["name"]}
@@ -94,6 +97,11 @@ def open_study(settings: Settings, *, now: float) -> tuple[optuna.Study, float]:
     if DEADLINE_ATTR not in study.user_attrs and not _wait_for_deadline(study):
         raise StudyError(f"study_name: the study {settings.study_name!r} was not created by this search (no deadline)")
     return study, float(study.user_attrs[DEADLINE_ATTR])
+
+
+def enqueue_base(study: optuna.Study) -> None:
+    """Queue round 0: the base model scored, no parameters sampled (the scheduler runs it as a scoring round)."""
+    study.enqueue_trial({}, user_attrs={"recipe": space.BASE})
 
 
 def _wait_for_deadline(study: optuna.Study, seconds: float = DEADLINE_WAIT_S) -> bool:

@@ -41,7 +41,10 @@ THIS = Path(__file__).resolve()
 
 # ---------------------------------------------------------------------------------------------------------- stubs
 def stub_accuracy(tag: str, data: str) -> float:
-    """A stable, spread-out accuracy per model (its round folder's name) and split."""
+    """A stable, spread-out accuracy per model (its round folder's name) and split; the base model (round 0) scores
+    below every trained one, as an untrained model does."""
+    if tag == "base":
+        return 4.0
     return 5.0 + (zlib.crc32(f"{tag}|{Path(data).name}".encode()) % 9000) / 100.0
 
 
@@ -131,7 +134,7 @@ def _search(argv: list[str]) -> int:
 
     local_backend.LocalBackend.__init__ = init
     if os.environ.get("STUB_CHECK") != "real":
-        promotion.check_submission = lambda path: None  # promote() looks it up at call time
+        promotion.check_submission = lambda path, **kwargs: None  # looked up at call time
     if os.environ.get("STUB_ENOSPC_COPY"):  # the N-th promotion's copy fills the disk halfway
         import errno
         import shutil
@@ -186,9 +189,11 @@ def write_budget(folder: Path, **changes) -> Path:
 
 
 def fake_model(folder: Path) -> Path:
-    """A folder that passes the box check as a Qwen2-VL model (its config only: the stubs load nothing)."""
+    """A folder that passes the box check as a Qwen2-VL model, shaped like the stub trainer's merged models (tag
+    "base"): the stubs load nothing."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "tag": "base"}))
+    (folder / "model.safetensors").write_text("base" * 100)
     return folder
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -116,7 +117,7 @@ def test_an_existing_study_of_another_direction(tmp_path, box):
 
 
 def test_simulate_runs_a_whole_search_without_a_box(tmp_path):
-    result = run(tmp_path, "--simulate", "--hours", "3", "--study-name", "rehearsal")
+    result = run(tmp_path, "--simulate", "--hours", "7.5", "--study-name", "rehearsal")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "study rehearsal: Best: trial" in result.stdout
     assert {p.name for p in tmp_path.iterdir()} == {"simulated"}  # no runs/, no submission, no study.db here
@@ -124,7 +125,15 @@ def test_simulate_runs_a_whole_search_without_a_box(tmp_path):
     journal = optuna.storages.journal.JournalFileBackend(str(tmp_path / "simulated" / "study.db"))
     study = optuna.load_study(study_name="rehearsal", storage=optuna.storages.JournalStorage(journal))
     recipes = [t.user_attrs.get("recipe") for t in study.trials]
-    assert recipes[:2] == ["strong", "baseline"] and "sampled" in recipes
+    assert recipes[:3] == ["base", "strong", "baseline"] and "sampled" in recipes
+    # The leaderboard has the base's row, the chain columns, and rounds that continued another round.
+    with (tmp_path / "simulated" / "leaderboard.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    [base] = [row for row in rows if row["recipe"] == "base"]
+    assert base["trial"] == "0" and base["total_steps"] == "0" and float(base["ood_acc"]) > 0
+    chained = [row for row in rows if row["parent"] not in ("", "0")]
+    assert chained and all(int(row["total_steps"]) > int(row["steps"]) for row in chained if row["total_steps"])
+    assert "| **base** |" in (tmp_path / "simulated" / "leaderboard.md").read_text()
 
     board = run(tmp_path, "leaderboard", "--storage", "simulated/study.db", "--study-name", "rehearsal")
     assert board.returncode == 0, board.stderr

@@ -105,6 +105,18 @@ def test_a_part_not_measured_teaches_nothing():
     assert model.estimate(c).setup == pytest.approx(timings["setup"], rel=1e-6)
 
 
+def test_a_round_that_only_scored_teaches_the_evaluation_and_the_check():
+    model = DurationModel(eval_rows=1000, eval_processes=2, prior_scale=1.0)
+    c = config()
+    prior_eval, prior_check = model.eval_seconds(), model.check_seconds(50)
+    assert prior_eval == pytest.approx(model.estimate(c).eval) and prior_check < prior_eval / 2
+    model.observe(None, 0, {"eval": 3 * prior_eval})  # round 0: the base model scored, no config
+    assert model.eval_seconds() == pytest.approx(3 * prior_eval, rel=0.01) and model.n_observed == 0
+    assert model.estimate(c).train == pytest.approx(DurationModel(eval_rows=1000, prior_scale=1.0).estimate(c).train)
+    # A submission's check (one load, 50 rows) is measured at the evaluations' pace: three times its prior too.
+    assert model.check_seconds(50) == pytest.approx(3 * prior_check, rel=0.01)
+
+
 def test_observations_use_the_steps_that_ran():
     rng = random.Random(1)
     model = DurationModel(eval_rows=1000)

@@ -19,7 +19,7 @@ from qwen_vl_utils import process_vision_info
 
 from evaluator import evaluate
 from evaluator.__main__ import main
-from evaluator.data import load_split, validate_solutions
+from evaluator.data import DataError, load_split, subset_indices, validate_solutions
 from evaluator.evaluation import load_model
 from evaluator.generation import Completion, build_inputs, generate_completions, tokens_until_eos
 from evaluator.protocol import EVAL_TEMPLATE, extract_answer
@@ -169,6 +169,24 @@ def test_evaluate_reports_consistent_scores(tiny_model_dir: Path, tiny_split_dir
     assert 1 <= report["mean_completion_tokens"] <= SHORT
     assert report["examples_per_s"] == pytest.approx(8 / report["seconds"])
     assert (report["model"], report["data"], report["devices"]) == (str(tiny_model_dir), str(tiny_split_dir), ["cpu"])
+
+
+def test_per_row_answers_name_the_rows_of_the_split(tiny_model_dir: Path, tiny_split_dir: Path) -> None:
+    """A report keeps every row's split index, gold and answer; `indices` scores exactly those rows again."""
+    subset = evaluate(tiny_model_dir, tiny_split_dir, limit=5, seed=3, batch_size=2, devices=["cpu"],
+                      max_new_tokens=SHORT)  # fmt: skip
+    per_row = subset["per_row"]
+    golds = validate_solutions(load_split(tiny_split_dir))
+    assert per_row["index"] == subset_indices(8, 5, 3) and len(set(per_row["index"])) == 5
+    assert per_row["gold"] == [golds[i] for i in per_row["index"]]
+    assert sum(a == g for a, g in zip(per_row["answer"], per_row["gold"])) == subset["correct"]
+    again = evaluate(tiny_model_dir, tiny_split_dir, indices=per_row["index"][1:3], batch_size=2, devices=["cpu"],
+                     max_new_tokens=SHORT)  # fmt: skip
+    assert again["per_row"]["index"] == per_row["index"][1:3]
+    assert again["per_row"]["answer"] == per_row["answer"][1:3]
+    for bad in ([], [8], [-1]):
+        with pytest.raises(DataError, match="indices must be non-empty row numbers below 8"):
+            evaluate(tiny_model_dir, tiny_split_dir, indices=bad, devices=["cpu"])
 
 
 def test_two_worker_processes_give_the_same_completions_as_one(tiny_model_dir: Path, tiny_split_dir: Path) -> None:

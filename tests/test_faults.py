@@ -64,7 +64,7 @@ def submission_is_whole(submission: Path) -> dict:
     marker = promotion.promoted(submission)
     assert marker is not None, f"no PROMOTED.json in {submission}"
     config = json.loads((submission / "config.json").read_text())
-    assert config["tag"] == f"round-{marker['trial']:04d}"
+    assert config["tag"] == ("base" if marker.get("recipe") == "base" else f"round-{marker['trial']:04d}")
     assert (submission / "model.safetensors").read_text() == config["tag"] * 100
     leftovers = [p.name for p in submission.parent.iterdir() if ".incoming" in p.name or p.name.endswith(".old")]
     assert leftovers == []
@@ -85,11 +85,15 @@ def by_number(study: optuna.Study) -> dict[int, optuna.trial.FrozenTrial]:
 
 # ---------------------------------------------------------------------------------------------------------- simulated
 class ScriptedBackend(SimulatedBackend):
-    """The simulated backend with a fault forced on chosen rounds (by start order)."""
+    """The simulated backend with a fault forced on chosen rounds (by start order; round 0, the base, is start 0)."""
 
     def __init__(self, *args, faults: dict[int, str], **kwargs):
         super().__init__(*args, failure_rate=0.0, hang_rate=0.0, **kwargs)
         self.faults, self.started = faults, 0
+
+    def score(self, model_dir, run_dir, gpus):
+        self.started += 1
+        return super().score(model_dir, run_dir, gpus)
 
     def start(self, config, gpus):
         index, self.started = self.started, self.started + 1
@@ -175,10 +179,33 @@ def test_rounds_that_raise_oom_nan_get_killed_or_hang_are_ended_and_recorded(tmp
     assert no_round_process_survives(tmp_path / "runs") >= 9
 
 
+def test_when_every_round_fails_the_base_is_the_checked_submission(tmp_path, tiny_split_dir):
+    """Round 0 scores the base model and promotes it (the format floor does not apply to it); every round after it
+    fails; the search ends with the base in the submission, checked in the reserve, and says so."""
+    budget = stub_box(tmp_path, tiny_split_dir, hours=20 / 3600, min_format_rate=99.0)
+    env = {**os.environ, "FAULT_PLAN": ",".join(["ok"] + ["raise"] * 10)}
+    result = subprocess.run(faultkit.search_command("--budget", str(budget)), cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    trials = by_number(load(tmp_path))
+    base = trials[0]
+    assert base.user_attrs["recipe"] == "base" and base.state == TrialState.COMPLETE and base.user_attrs["promoted"]
+    assert base.user_attrs["format_rate"] < 99.0  # below the floor, promoted all the same: it is the fallback
+    rounds = [t for n, t in trials.items() if n > 0]
+    assert len(rounds) >= 5 and all(t.state == TrialState.FAIL for t in rounds)
+    marker = submission_is_whole(tmp_path / "app" / "submission")
+    assert (marker["trial"], marker["recipe"], marker["accuracy"]) == (0, "base", base.value)
+    lines = result.stdout.splitlines()
+    assert f"submission: {tmp_path / 'app' / 'submission'} holds trial 0 (base, {base.value:.1f}% on ood_val)" in lines
+    assert any("final check passed: the submission (trial 0)" in line for line in lines)
+    board = (tmp_path / "leaderboard.md").read_text()
+    assert "| 1 | 0 | **base** | completed |" in board and "final check passed" in board
+
+
 def test_kill_9_of_the_scheduler_then_the_same_command_again(tmp_path, tiny_split_dir):
     """Round 2 hangs deaf to SIGTERM with a child: the parent-death signal cannot end it, the rerun's orphan
     sweep must. Nothing finished is lost, the deadline is kept, the submission is whole throughout."""
-    budget = stub_box(tmp_path, tiny_split_dir, hours=25 / 3600, hang_minutes=5)
+    budget = stub_box(tmp_path, tiny_split_dir, hours=35 / 3600, hang_minutes=5)  # round 0 scores the base first
     env = {**os.environ, "FAULT_PLAN": "ok,ok,hang"}
     command = faultkit.search_command("--budget", str(budget))
     first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -347,8 +374,13 @@ def test_kill_9_of_the_scheduler_during_a_real_tiny_round(tmp_path, tiny_model_d
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(ROOT / "run_search.py"), "--budget", str(budget)]
     started = time.time()
+    # Round 0 (the base model scored) is taken as done by an earlier run, so that the first round trains at once.
+    study, _ = open_study(load_settings(budget), now=started)
+    base = study.ask()
+    assert base.user_attrs["recipe"] == "base"
+    study.tell(base, 1.0)
     first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    run_dir = tmp_path / "runs" / "faults" / "round-0000"
+    run_dir = tmp_path / "runs" / "faults" / "round-0001"
     try:
         wait_for(lambda: (run_dir / "progress.jsonl").exists() and (run_dir / "progress.jsonl").read_text(), 150,
                  "the real round's first step", interval=0.1)  # fmt: skip
@@ -368,9 +400,9 @@ def test_kill_9_of_the_scheduler_during_a_real_tiny_round(tmp_path, tiny_model_d
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     study = load(tmp_path)
     assert study.user_attrs[DEADLINE_ATTR] == deadline
-    orphan = study.trials[0]
+    orphan = study.trials[1]
     assert orphan.state == TrialState.FAIL and orphan.user_attrs["reason"] == ORPHANED
-    assert "round 0 orphaned" in second.stdout and "no time left for a useful round" in second.stdout
+    assert "round 1 orphaned" in second.stdout and "no time left for a useful round" in second.stdout
     assert not [t for t in study.trials if t.state == TrialState.RUNNING]
     assert not (tmp_path / "submission").exists()  # nothing finished, nothing promoted, nothing half-written
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".submission.") and p.name != ".submission.lock"]

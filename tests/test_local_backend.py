@@ -240,7 +240,8 @@ def test_the_scheduler_kills_a_hung_round(backend, tmp_path, monkeypatch):
     started = time.monotonic()
     Scheduler(settings, study, deadline, backend, clock, promote=lambda outcome, trial: True).run()
     assert time.monotonic() - started < 15
-    [trial] = [t for t in study.trials if t.state != optuna.trial.TrialState.WAITING]
+    base, trial = [t for t in study.trials if t.state != optuna.trial.TrialState.WAITING]
+    assert base.user_attrs["recipe"] == "base" and base.state == optuna.trial.TrialState.COMPLETE
     assert trial.state == optuna.trial.TrialState.FAIL
     assert trial.user_attrs["reason"] == "hung: no progress for 0.05 min"
     child = int(Path(trial.user_attrs["run_dir"], "child.pid").read_text())
@@ -288,3 +289,16 @@ def test_eval_static_cache_false_decodes_every_evaluation_with_the_dynamic_cache
     assert set(commands) == {"ood", "val"}
     for argv in commands.values():
         assert "--dynamic-cache" in argv and argv[argv.index("--batch-size") + 1] == "8"
+
+
+def test_rounds_side_by_side_share_out_the_cores(tmp_path, monkeypatch):
+    from search.local_backend import threads_per_round
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert threads_per_round(make_settings(tmp_path, gpus=1, gpus_per_trial=1, rounds_per_slot=4)) == 4
+    assert threads_per_round(make_settings(tmp_path, gpus=2, gpus_per_trial=1, rounds_per_slot=1)) == 8
+    assert threads_per_round(make_settings(tmp_path, gpus=2, gpus_per_trial=2, rounds_per_slot=1)) is None  # one
+    assert threads_per_round(make_settings(tmp_path, gpus=0, rounds_per_slot=4)) is None  # a CPU: one at a time
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
+    assert threads_per_round(make_settings(tmp_path, gpus=1, gpus_per_trial=1, rounds_per_slot=4)) is None

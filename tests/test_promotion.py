@@ -17,10 +17,12 @@ from search.promotion import (
     MARKER,
     PromotionError,
     check_submission,
+    final_check,
     promote,
     promoted,
     prune_run_dirs,
     recover_submission,
+    restore_previous,
 )
 
 
@@ -84,7 +86,9 @@ def test_only_a_strictly_better_model_replaces_the_submission(tmp_path):
     assert _tag(submission) == "a"
     assert _promote(_model(tmp_path / "d", "d"), submission, 70.5)
     assert _tag(submission) == "d" and promoted(submission)["accuracy"] == 70.5
-    assert _leftovers(tmp_path) == ["a", "b", "c", "d"]  # no staging, no old copy left behind
+    # No staging left behind; the replaced submission is kept aside for the final check to restore.
+    assert _leftovers(tmp_path) == [".submission.previous", "a", "b", "c", "d"]
+    assert _tag(tmp_path / ".submission.previous") == "a"
 
 
 def test_below_the_format_floor_is_refused_without_touching_anything(tmp_path):
@@ -128,17 +132,20 @@ def test_two_rename_fallback_and_recovery(tmp_path, monkeypatch):
     submission = tmp_path / "submission"
     _promote(_model(tmp_path / "a", "a"), submission, 70.0)
     assert _promote(_model(tmp_path / "b", "b"), submission, 80.0)
-    assert _tag(submission) == "b" and _leftovers(tmp_path) == ["a", "b"]
+    assert _tag(submission) == "b" and _leftovers(tmp_path) == [".submission.previous", "a", "b"]
 
     # A crash between the two renames: the old submission was moved aside, the new one not yet in place.
     submission.rename(tmp_path / "submission.old")
     _model(tmp_path / ".submission.incoming", "half")
     recover_submission(submission)
-    assert _tag(submission) == "b" and _leftovers(tmp_path) == ["a", "b"]
+    assert _tag(submission) == "b" and _leftovers(tmp_path) == [".submission.previous", "a", "b"]
     # A crash after both renames: only the cleanup is left.
     shutil.copytree(submission, tmp_path / "submission.old")
     recover_submission(submission)
-    assert _tag(submission) == "b" and _leftovers(tmp_path) == ["a", "b"]
+    assert _tag(submission) == "b" and _leftovers(tmp_path) == [".submission.previous", "a", "b"]
+    # The final check's restore works without the atomic exchange too.
+    assert restore_previous(submission)["trial"] == 70
+    assert _tag(submission) == "a" and _leftovers(tmp_path) == ["a", "b"]
 
 
 def test_the_exchange_is_atomic_renameat2(tmp_path):
@@ -188,6 +195,47 @@ def test_prune_run_dirs_keeps_the_best_rounds_and_every_log(tmp_path):
         assert (runs / kept / "merged").is_dir()
     assert (runs / "a" / "progress.jsonl").is_file()
     assert prune_run_dirs(study, keep_rounds=1) == []
+
+
+def test_prune_run_dirs_keeps_the_parent_of_a_running_round_and_the_submissions_round(tmp_path):
+    study = optuna.create_study(direction="maximize")
+    runs = tmp_path / "runs"
+    for value, name in ((70.0, "best"), (60.0, "parent"), (50.0, "held"), (40.0, "neither")):
+        _model(runs / name / "merged", name)
+        study.add_trial(create_trial(value=value, user_attrs={"run_dir": str(runs / name)}))
+    child = study.ask()  # a round running from trial 1's merged weights
+    child.set_user_attr("parent", 1)
+    deleted = prune_run_dirs(study, keep_rounds=0, keep={2})  # trial 2 is what this box's submission holds
+    assert [p.relative_to(runs).as_posix() for p in deleted] == ["neither/merged"]
+    study.tell(child, 65.0)  # the child is done: its parent is an ordinary round again
+    assert sorted(p.relative_to(runs).as_posix() for p in prune_run_dirs(study, keep_rounds=0)) == [
+        "held/merged", "parent/merged"
+    ]  # fmt: skip
+
+
+def test_final_check_restores_the_previous_submission_when_the_current_one_fails(tmp_path):
+    submission = tmp_path / "submission"
+    assert _promote(_model(tmp_path / "a", "a"), submission, 60.0, details={"check_rows": {"index": [0]}})
+    assert _promote(_model(tmp_path / "b", "b"), submission, 70.0)
+    seen = []
+
+    def check(path, **kwargs):
+        seen.append((_tag(path), kwargs["data"]))
+        if _tag(path) == "b":
+            raise PromotionError(f"{path} answers 9 of 50 ood_val rows otherwise than when it was scored")
+
+    result = final_check(submission, "ood_val", check=check)
+    assert seen == [("b", "ood_val")] and not result.passed and result.restored and result.trial == 60
+    assert result.line.startswith("FINAL CHECK FAILED: the submission (trial 70) ")
+    assert "answers 9 of 50" in result.line and "restored the previous submission (trial 60, 60.0% on ood_val" in result.line
+    assert _tag(submission) == "a" and promoted(submission)["check_rows"] == {"index": [0]}
+    assert _leftovers(tmp_path) == ["a", "b"]  # the failed copy is gone; its round folder keeps the model
+    # Nothing left to restore: the failure is still a loud line, and the submission stays.
+    result = final_check(submission, "ood_val", check=lambda path, **kwargs: (_ for _ in ()).throw(PromotionError("x")))
+    assert not result.passed and not result.restored and result.line.endswith("no previous submission to restore")
+    assert _tag(submission) == "a"
+    assert final_check(submission, "ood_val", check=lambda path, **kwargs: None).passed
+    assert final_check(tmp_path / "empty", "ood_val").line.startswith("FINAL CHECK: ")
 
 
 def test_check_submission_loads_a_real_model(tmp_path, tiny_model_dir):

@@ -58,7 +58,8 @@ def run(scheduler: Scheduler) -> str:
 
 
 def ran(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    return [t for t in study.trials if "started_at" in t.user_attrs]
+    """The training rounds that started (round 0, which scores the base model, is not one)."""
+    return [t for t in study.trials if "started_at" in t.user_attrs and t.user_attrs["recipe"] != "base"]
 
 
 @pytest.mark.parametrize("rounds_per_slot", [1, 3])  # rounds_per_slot is for GPUs: ignored on a CPU
@@ -88,11 +89,14 @@ def test_rounds_per_slot_runs_several_rounds_on_one_gpu_at_once(tmp_path):
     assert at_once == 3
 
 
-def test_nothing_is_asked_when_no_useful_round_fits(tmp_path):
-    # 19 minutes before the reserve, with 20-minute rounds at the least.
+def test_only_the_base_is_scored_when_no_useful_round_fits(tmp_path):
+    # 19 minutes before the reserve, with 20-minute rounds at the least: the base model, the fallback submission, is
+    # still scored; no round is asked.
     scheduler = scheduler_for(tmp_path, clock_offset=3 * 3600 - 39 * 60)
     output = run(scheduler)
-    assert all(t.state == TrialState.WAITING for t in scheduler.study.trials)  # the warm starts wait their turn
+    base, *others = scheduler.study.trials
+    assert base.user_attrs["recipe"] == "base" and base.state == TrialState.COMPLETE
+    assert others and all(t.state == TrialState.WAITING for t in others)  # the warm starts wait their turn
     assert "no more rounds: no time left for a useful round (19 min before the reserve)" in output
 
 
@@ -257,3 +261,98 @@ def test_an_exception_kills_the_running_rounds_and_records_why(tmp_path):
     interrupted = [t for t in scheduler.study.trials if (t.user_attrs.get("reason") or "").startswith("interrupted")]
     assert len(interrupted) == 1 and interrupted[0].state == TrialState.FAIL
     assert not [t for t in scheduler.study.trials if t.state == TrialState.RUNNING]
+
+
+# ---------------------------------------------------------------------------------------------------------- round 0
+class Promotions:
+    """A promotion hook that keeps what it was offered, as (trial, ood accuracy, recipe)."""
+
+    def __init__(self):
+        self.offered: list[tuple[int, float, str]] = []
+
+    def __call__(self, outcome, trial) -> bool:
+        self.offered.append((trial.number, outcome.ood_accuracy, trial.user_attrs["recipe"]))
+        return True
+
+
+def test_the_base_is_promoted_when_every_round_fails(tmp_path):
+    promotions = Promotions()
+    scheduler = scheduler_for(tmp_path, promote=promotions, backend_options={"failure_rate": 1.0, "hang_rate": 0.0})
+    output = run(scheduler)
+    base, *rounds = [t for t in scheduler.study.trials if t.state != TrialState.WAITING]
+    assert base.user_attrs["recipe"] == "base" and base.state == TrialState.COMPLETE
+    assert promotions.offered == [(0, base.value, "base")] and base.user_attrs["promoted"] is True
+    assert len(rounds) >= scheduler_module.MAX_CONSECUTIVE_FAILURES and all(t.state == TrialState.FAIL for t in rounds)
+    assert f"best ood {base.value:.1f}% (round 0)" in output.splitlines()[-1]
+
+
+def test_no_round_is_promoted_below_the_base(tmp_path, monkeypatch):
+    # Every trained model answers worse than the base (e.g. a reward that breaks the format).
+    monkeypatch.setattr(simulated, "true_accuracy", lambda config, step, start, steps_before: start - 12.0)
+    promotions = Promotions()
+    scheduler = scheduler_for(tmp_path, promote=promotions)
+    run(scheduler)
+    scored = [t for t in ran(scheduler.study) if t.state == TrialState.COMPLETE]
+    base = scheduler.study.trials[0]
+    assert len(scored) >= 4 and all(t.value < base.value for t in scored)
+    assert promotions.offered == [(0, base.value, "base")]
+    # init: best finds no round better than the base, so every round started from the base.
+    assert {t.user_attrs["config"]["model_path"] for t in ran(scheduler.study)} == {scheduler.settings.model_path}
+    assert {t.user_attrs["parent"] for t in ran(scheduler.study)} == {0}
+
+
+def test_a_base_that_fails_to_score_is_queued_once_more(tmp_path, monkeypatch):
+    calls = []
+    score = SimulatedBackend.score
+
+    def failing_once(self, model_dir, run_dir, gpus):
+        calls.append(run_dir)
+        if len(calls) == 1:
+            raise OSError("the evaluator cannot be started")
+        return score(self, model_dir, run_dir, gpus)
+
+    monkeypatch.setattr(SimulatedBackend, "score", failing_once)
+    promotions = Promotions()
+    scheduler = scheduler_for(tmp_path, gpus=1, promote=promotions)
+    output = run(scheduler)
+    bases = [t for t in scheduler.study.trials if t.user_attrs.get("recipe") == "base"]
+    assert [t.state for t in bases] == [TrialState.FAIL, TrialState.COMPLETE] and len(calls) == 2
+    assert bases[0].user_attrs["reason"] == "could not start scoring the base model: the evaluator cannot be started"
+    assert promotions.offered[0] == (bases[1].number, bases[1].value, "base")
+    assert "gave the base model no score: it is scored once more, next" in output
+
+
+def test_a_resumed_study_without_a_scored_base_scores_it(tmp_path):
+    scheduler = scheduler_for(tmp_path, gpus=1)
+    study = scheduler.study
+    killed = study.ask()  # round 0 of an earlier run, killed while it was being scored
+    assert killed.user_attrs["recipe"] == "base"
+    study.tell(killed, state=TrialState.FAIL)
+    run(scheduler)
+    bases = [t for t in study.trials if t.user_attrs.get("recipe") == "base"]
+    assert [t.state for t in bases] == [TrialState.FAIL, TrialState.COMPLETE]
+    assert bases[1].user_attrs["started_at"] == min(t.user_attrs["started_at"] for t in study.trials
+                                                    if "started_at" in t.user_attrs)  # fmt: skip
+
+
+def test_a_child_starts_from_the_best_promotable_round_with_weights(tmp_path):
+    scheduler = scheduler_for(tmp_path)
+    study = scheduler.study
+    base = study.ask()
+    base.set_user_attr("total_steps", 0)
+    study.tell(base, 50.0)
+    runs = {}
+    for value, fmt, name in ((70.0, 95.0, "good"), (80.0, 60.0, "unformatted"), (75.0, 95.0, "deleted")):
+        trial = study.ask()
+        runs[name] = trial.number
+        for key, attr in {"recipe": "sampled", "format_rate": fmt, "merged_dir": f"/runs/{name}/merged",
+                          "total_steps": 100}.items():  # fmt: skip
+            trial.set_user_attr(key, attr)
+        study.tell(trial, value)
+    running = study.ask()  # a better round still being scored: not a parent
+    running.set_user_attr("merged_dir", "/runs/running/merged")
+    scheduler.backend.remember("/runs/good/merged", 70.0, 100, True)
+    scheduler.backend.remember("/runs/unformatted/merged", 80.0, 100, False)  # "deleted" is not remembered
+    parent = scheduler._parent("best")
+    assert (parent.trial, parent.model_path, parent.total_steps) == (runs["good"], "/runs/good/merged", 100)
+    assert scheduler._parent("base") == scheduler_module._Parent(0, scheduler.settings.model_path, 0)

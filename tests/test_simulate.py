@@ -20,6 +20,7 @@ from search.clock import VirtualClock
 from search.duration import DurationModel
 from search.scheduler import POLL_S, Scheduler
 from search.settings import load_settings
+from search import simulated_backend as simulated
 from search.simulated_backend import SimulatedBackend, true_duration
 from search.study import open_study
 from trainer.config import TrialConfig
@@ -107,20 +108,29 @@ def test_every_round_is_recorded_with_its_state_and_reason(search):
     for t in search.finished:
         attrs = t.user_attrs
         assert attrs["state"] in ("completed", "stopped", "pruned", "failed")
+        base = attrs["recipe"] == "base"
         if t.state == TrialState.COMPLETE:
             assert attrs["state"] in ("completed", "stopped") and t.value is not None
             assert attrs["val_accuracy"] is not None and attrs["format_rate"] is not None
-            assert attrs["timings"].keys() == {"setup", "train", "save", "eval"}
+            assert attrs["timings"].keys() == ({"eval"} if base else {"setup", "train", "save", "eval"})
         else:
             assert attrs["reason"], t.number
         if "started_at" in attrs:
-            assert {"config", "steps", "predicted_s", "allotted_s", "run_dir", "duration_s", "steps_done"} <= set(attrs)
-            assert attrs["steps"] == attrs["config"]["steps"] <= t.params["steps"]
+            assert {"steps", "predicted_s", "allotted_s", "run_dir", "duration_s", "steps_done", "total_steps"} <= set(
+                attrs
+            )
+            if base:
+                assert attrs["steps"] == attrs["steps_done"] == attrs["total_steps"] == 0 and "config" not in attrs
+            else:
+                assert attrs["steps"] == attrs["config"]["steps"] <= t.params["steps"]
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     failed = [t for t in trials if t.state == TrialState.FAIL]
     assert pruned and failed
-    assert all(t.user_attrs["reason"].startswith("pruned by MedianPruner at step ") for t in pruned)
-    assert all(t.value == t.intermediate_values[max(t.intermediate_values)] for t in pruned)
+    by_pruner = [t for t in pruned if t.user_attrs["state"] == "pruned"]
+    assert by_pruner and all(t.user_attrs["reason"].startswith("pruned by MedianPruner at step ") for t in by_pruner)
+    assert all(t.value == t.intermediate_values[max(t.intermediate_values)] for t in by_pruner)
+    # The configuration's own failures are told PRUNED too (a bad point for TPE), their state still says failed.
+    assert all(t.user_attrs["reason"].startswith(("NaN", "out of memory")) for t in pruned if t not in by_pruner)
     assert {t.user_attrs["recipe"] for t in search.finished} >= {"strong", "baseline", "sampled"}
 
 
@@ -145,6 +155,41 @@ def test_the_best_round_is_promoted_and_beats_the_baseline(search):
     [baseline] = [t for t in search.finished if t.user_attrs.get("recipe") == "baseline"]
     assert best > baseline.value + 10
     assert f"best ood {best:.1f}%" in search.output.splitlines()[-1]
+
+
+def test_the_base_model_is_round_0_and_the_first_promotion(search):
+    base = search.study.trials[0]
+    assert base.user_attrs["recipe"] == "base" and base.state == TrialState.COMPLETE and base.params == {}
+    assert abs(base.value - simulated.BASE_OOD) < 3  # the base's own score, not a trained model's
+    assert search.recorder.promoted[0] == (0, base.value)
+    assert base.user_attrs["started_at"] == START  # scored while the first round trains on the other GPU
+    first_round = search.study.trials[1]
+    assert first_round.user_attrs["started_at"] == START and first_round.user_attrs["ended_at"] > base.user_attrs["ended_at"]
+
+
+def test_rounds_continue_from_the_best_round_and_record_their_chain(search):
+    by_number = {t.number: t for t in search.study.trials}
+    started = [t for t in search.finished if "config" in t.user_attrs]
+    children = [t for t in started if t.user_attrs["parent"] not in (None, 0)]
+    assert children, "no round continued another"
+    assert {t.params["init"] for t in started if t.user_attrs["recipe"] == "sampled"} == {"base", "best"}
+    for t in started:
+        attrs = t.user_attrs
+        parent = by_number[attrs["parent"]]
+        if attrs["parent"] == 0:  # from the base: its weights are the base model's
+            assert attrs["config"]["model_path"] == search.settings.model_path
+        else:  # from a round: its merged weights, and the steps add up from the base
+            assert attrs["init"] == "best"
+            assert attrs["config"]["model_path"] == parent.user_attrs["merged_dir"]
+            assert parent.state == TrialState.COMPLETE and parent.user_attrs["started_at"] < attrs["started_at"]
+            assert parent.user_attrs["ended_at"] <= attrs["started_at"]  # it never started from a round being scored
+        assert attrs["total_steps"] == parent.user_attrs["total_steps"] + attrs["steps_done"]
+    # A child of `best` starts from the best promotable round finished before it started.
+    for t in children:
+        before = [p for p in search.finished if p.state == TrialState.COMPLETE
+                  and p.user_attrs["ended_at"] <= t.user_attrs["started_at"]
+                  and p.user_attrs["format_rate"] >= search.settings.min_format_rate]  # fmt: skip
+        assert by_number[t.user_attrs["parent"]].value == max(p.value for p in before)
 
 
 def test_the_duration_model_learns(search):

@@ -10,7 +10,7 @@ import optuna
 import pytest
 
 from search.settings import load_settings
-from search.space import SpaceError, sample_config, warm_start_params, with_steps
+from search.space import SpaceError, check_space, sample_config, sampled_init, warm_start_params, with_steps
 from search.study import open_study
 from trainer.config import ConfigError, TrialConfig
 
@@ -83,8 +83,10 @@ def test_with_steps(settings, tmp_path):
         with_steps(config, 0)
 
 
-def test_warm_starts_come_out_first_with_their_params(settings, tmp_path):
+def test_the_base_then_the_warm_starts_come_out_first_with_their_params(settings, tmp_path):
     study, _ = open_study(settings, now=0.0)
+    round_zero = study.ask()
+    assert round_zero.number == 0 and round_zero.user_attrs["recipe"] == "base" and round_zero.params == {}
     configs = []
     for _ in range(3):
         trial = study.ask()
@@ -104,6 +106,26 @@ def test_warm_starts_come_out_first_with_their_params(settings, tmp_path):
         assert config.reward_weights == expected
     assert strong.lora_rank > 0 and "lr_lora" in strong_trial.params
     assert base.lora_rank == 0 and base_trial.params["lr_full"] == 1e-6
+
+
+def test_init_is_searched_and_a_warm_start_may_set_it(settings, tmp_path):
+    assert settings.space["init"] == ["base", "best"]
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(20):
+        trial = study.ask()
+        config = sample_config(trial, settings, str(tmp_path))
+        seen.add(sampled_init(trial))
+        assert config.model_path == settings.model_path  # the scheduler moves it to the parent's weights
+    assert seen == {"base", "best"}
+    study.enqueue_trial(warm_start_params({"init": "best", "lora_rank": 16}, settings.space))
+    trial = study.ask()
+    sample_config(trial, settings, str(tmp_path))
+    assert sampled_init(trial) == "best" and trial.params["lora_rank"] == 16
+    with pytest.raises(SpaceError, match=r"^init: 'parent' is not one of space.init"):
+        warm_start_params({"init": "parent"}, settings.space)
+    with pytest.raises(SpaceError, match=r"^init: must be a non-empty list of \['base', 'best'\]"):
+        check_space({**settings.space, "init": ["base", "latest"]})
 
 
 def test_warm_start_translation():

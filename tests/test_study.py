@@ -32,10 +32,11 @@ def settings(tmp_path):
 def test_deadline_is_stored_at_creation_and_kept_on_resume(settings):
     study, deadline = open_study(settings, now=1000.0)
     assert deadline == 1000.0 + 7.5 * 3600 and study.user_attrs[DEADLINE_ATTR] == deadline
-    assert len(study.get_trials(states=(optuna.trial.TrialState.WAITING,))) == 2
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert [t.user_attrs["recipe"] for t in waiting] == ["base", "strong", "baseline"]  # round 0, then warm starts
     resumed, kept = open_study(dataclasses.replace(settings, hours=1.0), now=99999.0)
     assert kept == deadline
-    assert len(resumed.trials) == 2  # the warm starts were not enqueued again
+    assert len(resumed.trials) == 3  # neither round 0 nor the warm starts were enqueued again
 
 
 def test_journal_file_opens_the_way_optuna_dashboard_opens_it(settings):

@@ -440,3 +440,48 @@ def test_scoring_only_completion_positions_off_cuda_changes_nothing_in_a_round(t
             # AdamW turns that rounding into lr-sized steps: 2e-3 in both paths, apart by 2e-6 on this machine.
             continue
         torch.testing.assert_close(compact_weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_round_that_continues_another_starts_from_its_merged_weights(tmp_path, tiny_model_dir, tiny_split_dir,
+                                                                        monkeypatch):
+    """`init: best`: the search gives the child round its parent's merged folder as `model_path`; the child's policy
+    starts from exactly those weights (not the base's), trains on, and saves a model loadable as the verifier loads it."""
+    import trainer.round as round_module
+    from trainer import rewards
+    from trainer.config import TrialConfig
+    from trainer.round import MERGED_DIR, run_round
+
+    monkeypatch.setitem(rewards.REWARDS, "token_parity", token_parity)
+    started_from = {}
+    load_model = round_module._load_model
+
+    def recording_load(config, on_gpu):
+        model = load_model(config, on_gpu)
+        started_from[config.output_dir] = {name: t.detach().clone() for name, t in model.state_dict().items()}
+        return model
+
+    monkeypatch.setattr(round_module, "_load_model", recording_load)
+
+    def round_from(model: Path, name: str, **options) -> Path:
+        config = TrialConfig(
+            model_path=str(model), train_path=str(tiny_split_dir), output_dir=str(tmp_path / name),
+            reward_weights={"token_parity": 1.0}, steps=2, learning_rate=1e-2, num_generations=4, prompts_per_step=2,
+            generation_steps=1, max_completion_length=8, max_pixels=56 * 56, seed=0, **options,
+        )  # fmt: skip
+        result = run_round(config)
+        assert result.state == "completed", result.reason
+        return tmp_path / name / MERGED_DIR
+
+    parent = round_from(tiny_model_dir, "parent", lora_rank=4)
+    child = round_from(parent, "child", lora_rank=0, gradient_checkpointing=False)
+
+    parent_weights = load_merged(parent)[0].state_dict()  # as the verifier would load the parent's model
+    start = started_from[str(tmp_path / "child")]
+    base_start = started_from[str(tmp_path / "parent")]
+    assert set(start) == set(parent_weights)
+    for name, tensor in parent_weights.items():
+        torch.testing.assert_close(start[name], tensor.to(start[name].dtype), rtol=0, atol=0, msg=name)
+    assert any(not torch.equal(start[name], base_start[name]) for name in start)  # the parent trained something
+    child_weights = load_merged(child)[0].state_dict()
+    assert any(not torch.equal(child_weights[name], parent_weights[name]) for name in parent_weights)
+    assert json.loads((child / "config.json").read_text()) == json.loads((tiny_model_dir / "config.json").read_text())

@@ -1,0 +1,96 @@
+"""Row-by-row comparison of scored rounds: which leads are beyond the noise of a finite ood_val.
+
+Every round is scored on the same ood_val rows, so two rounds compare pair-wise: per row the difference of their
+correctness is -1, 0 or +1, and the mean of those differences is the lead in accuracy. Its 95% interval is the
+normal approximation on the paired differences, mean +- 1.96 x sd / sqrt(n): far narrower than two independent
+intervals, since rows both rounds get right (or wrong) cancel out. On 1,000 rows a lead of about 2-3 points between
+similar models is typically within the noise.
+
+A round's correctness is kept in its trial (the user attribute `OOD_ROWS`), so that the leaderboard of a study shared
+by several boxes needs no other box's files: `{"n", "digest", "correct"}`, the rows' right/wrong as hex-packed bits
+and a short digest of which rows they were (indices and gold counts); only rounds with equal digests are compared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+OOD_ROWS = "ood_rows"  # the user attribute of a scored round (see the module docstring)
+Z_95 = 1.959964  # two-sided 95% quantile of the normal distribution
+
+
+@dataclass(frozen=True)
+class Lead:
+    """A paired lead in accuracy points, with its 95% interval."""
+
+    points: float
+    low: float
+    high: float
+    n: int
+
+    @property
+    def beyond_noise(self) -> bool:
+        """The interval excludes 0: the lead is not explained by which rows happened to be in ood_val."""
+        return self.low > 0 or self.high < 0
+
+    def __str__(self) -> str:
+        return f"{self.points:+.1f} [{self.low:+.1f}, {self.high:+.1f}]"
+
+
+def rows_attr(per_row: Mapping[str, Sequence]) -> dict:
+    """The `OOD_ROWS` attribute of a round from its OOD report's `per_row`."""
+    correct = correctness(per_row)
+    return {"n": len(correct), "digest": rows_digest(per_row), "correct": pack(correct)}
+
+
+def read_rows_attr(attrs: Mapping) -> tuple[str, list[bool]] | None:
+    """(digest, per-row correctness) of a trial's user attributes, or None when it has none (or a malformed one)."""
+    value = attrs.get(OOD_ROWS)
+    try:
+        return str(value["digest"]), unpack(value["correct"], int(value["n"]))
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def correctness(per_row: Mapping[str, Sequence]) -> list[bool]:
+    """Per row, whether the extracted answer equals the gold count (an evaluator report's `per_row`)."""
+    answers, golds = per_row["answer"], per_row["gold"]
+    return [answer is not None and answer == gold for answer, gold in zip(answers, golds, strict=True)]
+
+
+def rows_digest(per_row: Mapping[str, Sequence]) -> str:
+    """Which rows were scored: equal for two reports of the same rows of the same split."""
+    identity = json.dumps([list(per_row["index"]), list(per_row["gold"])], separators=(",", ":"))
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+def pack(correct: Sequence[bool]) -> str:
+    """Per-row correctness as hex (4 rows a digit); `unpack` needs the row count back."""
+    if not correct:
+        return ""
+    bits = "".join("1" if c else "0" for c in correct)
+    bits += "0" * (-len(bits) % 4)
+    return f"{int(bits, 2):0{len(bits) // 4}x}"
+
+
+def unpack(packed: str, n: int) -> list[bool]:
+    if not packed:
+        return []
+    bits = bin(int(packed, 16))[2:].zfill(4 * len(packed))
+    return [bit == "1" for bit in bits[:n]]
+
+
+def paired_lead(a: Sequence[bool], b: Sequence[bool]) -> Lead:
+    """How far `a` leads `b` on the same rows, in accuracy points, with its paired 95% interval."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"need the same rows on both sides, got {len(a)} and {len(b)}")
+    n = len(a)
+    diffs = [int(x) - int(y) for x, y in zip(a, b)]
+    mean = sum(diffs) / n
+    variance = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    half = Z_95 * math.sqrt(variance / n)
+    return Lead(100.0 * mean, 100.0 * (mean - half), 100.0 * (mean + half), n)
