@@ -225,7 +225,7 @@ class Scheduler:
             config = space.with_steps(config, steps)
         estimate = self.duration.estimate(config)
         gpus = self._slots[slot]
-        for key, value in {
+        _set_user_attrs(trial, {
             "config": config.to_dict(),
             "init": init,
             "parent": parent.trial,
@@ -236,8 +236,7 @@ class Scheduler:
             "run_dir": str(run_dir),
             "gpus": gpus,
             "started_at": now,
-        }.items():
-            trial.set_user_attr(key, value)
+        })  # fmt: skip
         try:
             handle = self.backend.start(config, gpus)
         except OSError as error:  # e.g. the run folder cannot be written, the launcher is missing
@@ -272,7 +271,7 @@ class Scheduler:
         allotted = max(BASE_ALLOTMENT_FACTOR * predicted, 60.0 * self.settings.round_min_minutes)
         end_by = min(self.deadline, now + allotted)
         gpus = self._slots[slot]
-        for key, value in {
+        _set_user_attrs(trial, {
             "steps": 0,
             "total_steps": 0,
             "predicted_s": round(predicted, 1),
@@ -280,8 +279,7 @@ class Scheduler:
             "run_dir": str(run_dir),
             "gpus": gpus,
             "started_at": now,
-        }.items():
-            trial.set_user_attr(key, value)
+        })  # fmt: skip
         try:
             handle = self.backend.score(self.settings.model_path, str(run_dir), gpus)
         except OSError as error:
@@ -424,8 +422,7 @@ class Scheduler:
             attrs["merged_dir"] = outcome.merged_dir
             if outcome.ood_rows:
                 attrs[selection.OOD_ROWS] = selection.rows_attr(outcome.ood_rows)
-        for key, value in attrs.items():
-            r.trial.set_user_attr(key, value)
+        _set_user_attrs(r.trial, attrs)
         if scored and (self._best is None or outcome.ood_accuracy > self._best[0]):
             self._promote(r.trial, outcome)
         if r.config is None and not scored:
@@ -636,6 +633,11 @@ class Scheduler:
 
     def _say(self, now: float, message: str) -> None:
         print(f"[search {_minutes(self.deadline - now)} left] {message}", flush=True)
+
+
+def _set_user_attrs(trial: optuna.Trial, attrs: dict) -> None:
+    for key, value in attrs.items():
+        trial.set_user_attr(key, value)
 
 
 def _dead_worker(worker: str | None) -> bool:
