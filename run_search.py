@@ -80,7 +80,7 @@ def _print_leaderboard(args: argparse.Namespace) -> int:
     from search.leaderboard import format_leaderboard
 
     if args.simulate:
-        raise SettingsError("leaderboard: --simulate is for a search; give the simulated study's --storage instead")
+        raise SettingsError("leaderboard", "--simulate is for a search; give the simulated study's --storage instead")
     print(format_leaderboard(load_existing_study(_load(args))))
     return 0
 

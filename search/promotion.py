@@ -59,7 +59,7 @@ def promote(
         return False
     check = check or check_submission
     submission = Path(submission_dir)
-    with _locked(_lock_path(submission)):
+    with _locked(lock_path(submission)):
         _recover(submission)
         current = promoted(submission)
         if current is not None and accuracy <= current["accuracy"]:
@@ -103,7 +103,7 @@ def recover_submission(submission_dir: str | os.PathLike) -> None:
     """
     submission = Path(submission_dir)
     if submission.parent.is_dir():
-        with _locked(_lock_path(submission)):
+        with _locked(lock_path(submission)):
             _recover(submission)
 
 
@@ -242,7 +242,8 @@ def _replace_contents(submission: Path, staging: Path) -> None:
     _fsync_dir(submission)
 
 
-def _lock_path(submission: Path) -> Path:
+def lock_path(submission: Path) -> Path:
+    """The file workers sharing `submission` lock while they promote into it (a plain file next to it)."""
     return submission.parent / f".{submission.name}.lock"
 
 
@@ -252,12 +253,21 @@ def _old_path(submission: Path) -> Path:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    # O_NOFOLLOW: a symlink planted at the lock's path would have the search open, or create, whatever it names.
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise PromotionError(f"{path} is a symlink; the lock must be a plain file (remove it)") from None
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _remove(path: Path) -> None:

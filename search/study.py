@@ -16,7 +16,8 @@ import optuna
 from optuna.storages.journal import JournalFileBackend
 
 from search import space
-from search.settings import PRUNERS, SAMPLERS, Settings, one_line
+from search.settings import PRUNERS, SAMPLERS, Settings
+from trainer.validation import one_line
 
 DEADLINE_ATTR = "deadline"  # unix seconds; set once, at creation, and kept by every resumed run
 # How long a study without a deadline is given for its creator (another worker, a moment earlier) to store one.
@@ -124,12 +125,14 @@ def make_sampler(options: dict, *, offset: int = 0) -> optuna.samplers.BaseSampl
         kwargs["seed"] = kwargs["seed"] + offset
     with warnings.catch_warnings():  # `group` is experimental; budget.yaml says so where it is set
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return SAMPLERS[options["type"]](**kwargs)
+        cls, _ = SAMPLERS[options["type"]]
+        return cls(**kwargs)
 
 
 def make_pruner(options: dict) -> optuna.pruners.BasePruner:
     """The pruner of a `pruner` setting."""
-    return PRUNERS[options["type"]](**{k: v for k, v in options.items() if k != "type"})
+    cls, _ = PRUNERS[options["type"]]
+    return cls(**{k: v for k, v in options.items() if k != "type"})
 
 
 def _existing_trials(storage: optuna.storages.BaseStorage, name: str) -> int | None:

@@ -186,9 +186,14 @@ def write_budget(folder: Path, **changes) -> Path:
 
 
 def fake_model(folder: Path) -> Path:
-    """A folder that passes the box check as a Qwen2-VL model (its config only: the stubs load nothing)."""
+    """A folder that passes the box check as a Qwen2-VL model: its config and a one-number weights file (the stubs
+    load nothing)."""
+    import numpy
+    from safetensors.numpy import save_file
+
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    save_file({"weight": numpy.zeros(1, dtype=numpy.float32)}, str(folder / "model.safetensors"))
     return folder
 
 

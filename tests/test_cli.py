@@ -11,6 +11,8 @@ import optuna
 import pytest
 import yaml
 
+import faultkit
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "run_search.py"
 
@@ -30,13 +32,12 @@ def budget(folder: Path, **changes) -> Path:
 
 @pytest.fixture()
 def box(tmp_path, tiny_split_dir) -> dict:
-    """budget.yaml values for a box in tmp_path: a Qwen2-VL config (nothing is loaded before the checks pass)."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    """budget.yaml values for a box in tmp_path: a Qwen2-VL config and a tiny weights file (nothing is loaded before
+    the checks pass)."""
+    model = faultkit.fake_model(tmp_path / "model")
     (tmp_path / "app").mkdir()
     return {
-        "model_path": str(model), "train_path": str(tiny_split_dir), "val_path": str(tiny_split_dir),
+        "gpus": 0, "model_path": str(model), "train_path": str(tiny_split_dir), "val_path": str(tiny_split_dir),
         "ood_val_path": str(tiny_split_dir), "submission_path": str(tmp_path / "app" / "submission"),
     }  # fmt: skip
 
@@ -61,7 +62,7 @@ def _entries(folder: Path) -> set[str]:
         (["--hours", "0"], "hours: must be > 0"),
         (["--hours", "-3"], "hours: must be > 0"),
         (["--hours", "nan"], "hours: must be a finite number"),
-        (["--hours", "soon"], "hours: must be a positive number of hours, got 'soon'"),
+        (["--hours", "soon"], "hours: must be a number of hours, got 'soon'"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["--simulate", "--demo"], "not allowed with argument"),
         (["--budget", "absent.yaml"], "budget: cannot read absent.yaml"),

@@ -168,6 +168,17 @@ def test_workers_serialize_on_the_lock(tmp_path):
     assert result == {"ok": True} and _tag(submission) == "a"
 
 
+def test_the_lock_is_not_followed_through_a_symlink(tmp_path):
+    """A symlink planted at the lock's path would have the search open (or create) what it names, as root maybe."""
+    submission = tmp_path / "submission"
+    (tmp_path / ".submission.lock").symlink_to(tmp_path / "created-elsewhere")
+    with pytest.raises(PromotionError, match=r"\.submission\.lock is a symlink"):
+        _promote(_model(tmp_path / "a", "a"), submission, 70.0)
+    with pytest.raises(PromotionError, match="is a symlink"):
+        recover_submission(submission)
+    assert not (tmp_path / "created-elsewhere").exists() and not submission.exists()
+
+
 def test_prune_run_dirs_keeps_the_best_rounds_and_every_log(tmp_path):
     study = optuna.create_study(direction="maximize")
     runs = tmp_path / "runs"
