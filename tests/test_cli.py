@@ -149,3 +149,22 @@ def test_the_demo_rerenders_a_box_of_other_sizes_or_seed(tmp_path, monkeypatch):
     assert not _demo_box_is(tmp_path / "box", sizes, 0)
     write_box(tmp_path / "older", sizes, 1000, image_size=(32, 32), count_range=(1, 3))  # before the marker
     assert not _demo_box_is(tmp_path / "older", sizes, 1000)
+
+
+def test_two_rehearsals_started_in_the_same_second_get_two_studies(tmp_path, monkeypatch):
+    import contextlib
+    import io
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.chdir(tmp_path)
+    import run_search
+    from search import scheduler
+    from search.study import open_storage
+
+    monkeypatch.setattr(scheduler.Scheduler, "run", lambda self: None)  # the names are the point, not the search
+    monkeypatch.setattr(run_search.time, "strftime", lambda *args: "20270101-000000")  # one and the same second
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run_search.main(["--simulate"]) == 0
+        assert run_search.main(["--simulate"]) == 0
+    names = [s.study_name for s in open_storage("simulated/study.db", create=False).get_all_studies()]
+    assert len(set(names)) == 2 and all(name.startswith("count-grpo-sim-20270101-000000-") for name in names)
