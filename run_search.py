@@ -210,7 +210,7 @@ class _RoundEnd:
 
         try:
             if self.prune:
-                prune_run_dirs(self.study, self.settings.keep_rounds)
+                prune_run_dirs(self.study, self.settings.keep_rounds, self.settings.rounds_dir)
             _write_leaderboard(self.study, self.folder)
         except Exception as exc:  # noqa: BLE001 - see the class docstring
             print(f"warning: after round {trial.number}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

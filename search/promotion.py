@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator
 import optuna
 from optuna.trial import TrialState
 
+from search.folders import inside
+
 MARKER = "PROMOTED.json"
 _LOG = logging.getLogger(__name__)
 # Files of a round folder that hold weights or checkpoints; everything else at its top level is small (logs, JSON).
@@ -154,12 +156,13 @@ def _load(path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------- runs folder
-def prune_run_dirs(study: optuna.Study, keep_rounds: int) -> list[Path]:
+def prune_run_dirs(study: optuna.Study, keep_rounds: int, rounds_dir: str | os.PathLike) -> list[Path]:
     """Delete the weights of this study's finished rounds but the best one and the `keep_rounds` next best.
 
     Weights are a round folder's sub-folders (merged/, checkpoints) and weight files; logs, JSON and plots stay, so
     the leaderboard and the dashboard keep every round's story. Only folders the study's trials name (user attr
-    `run_dir`) are touched, never another study's, and never a round still running. Returns what was deleted.
+    `run_dir`) inside `rounds_dir` (the study's own folder) are touched: a `run_dir` is storage content, which
+    whoever can write to a shared database sets. Never a round still running. Returns what was deleted.
     """
     trials = study.get_trials(deepcopy=False)
     completed = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
@@ -168,7 +171,9 @@ def prune_run_dirs(study: optuna.Study, keep_rounds: int) -> list[Path]:
     deleted = []
     for trial in trials:
         folder = trial.user_attrs.get("run_dir")
-        if trial.number in keep or not trial.state.is_finished() or not folder or not Path(folder).is_dir():
+        if trial.number in keep or not trial.state.is_finished() or not inside(folder, rounds_dir):
+            continue
+        if not Path(folder).is_dir() or Path(folder).is_symlink():
             continue
         for entry in sorted(Path(folder).iterdir()):
             if entry.is_dir() or entry.suffix in _WEIGHT_SUFFIXES:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import socket
 import subprocess
@@ -304,6 +305,34 @@ def test_the_heartbeat_goes_on_while_a_promotion_blocks_the_loop(tmp_path, monke
     scheduler = scheduler_for(tmp_path, gpus=0, promote=slow_promotion, hours=1.5)
     run(scheduler)
     assert beats and all(first != later for first, later in beats), beats
+
+
+def test_an_orphans_processes_are_reaped_only_inside_the_studys_rounds_folder(tmp_path):
+    """A dead worker's trial records a run_dir outside runs_dir/<study>: its processes.jsonl (which anyone who can
+    write the storage can point anywhere) is not read, the process it names lives on, and the trial is still failed."""
+    from search.local_backend import LocalBackend
+
+    scheduler = scheduler_for(tmp_path, clock_offset=3 * 3600)
+    scheduler.backend = LocalBackend(scheduler.settings)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        start = Path(f"/proc/{victim.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        (outside / "processes.jsonl").write_text(json.dumps({"pgid": victim.pid, "start": int(start),
+                                                             "host": socket.gethostname()}) + "\n")  # fmt: skip
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        trial = scheduler.study.ask()
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{int(dead.stdout)}:eeeeee")
+        trial.set_user_attr("run_dir", str(Path(scheduler.settings.rounds_dir) / ".." / ".." / "outside"))
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            scheduler._sweep(scheduler.clock.now())
+        assert victim.poll() is None  # alive
+        assert scheduler.study.trials[trial.number].state == TrialState.FAIL
+        assert "could not end its processes: OSError" in out.getvalue() and "is not inside" in out.getvalue()
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 def test_an_exception_kills_the_running_rounds_and_records_why(tmp_path):
