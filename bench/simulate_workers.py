@@ -8,7 +8,9 @@ Each worker has its own virtual clock (a 7.5-hour study in seconds), so the two 
 paces against the same study: the case where a worker whose clock runs ahead used to fail the other's live trials as
 orphans and crash it (`UpdateFinishedTrialError`). tests/test_simulate.py runs one of these runs.
 
-Measured (2 CPU cores, budget.yaml, 7.5 h): bench/results/2026-12-04-simulate-two-workers.jsonl.
+Measured (2 CPU cores, budget.yaml, 7.5 h; bench/results/2026-12-04-simulate-two-workers.jsonl): ten runs, all
+checks held in each, 70 to 97 trials a run, 33 to 51 rounds a worker, no trial failed as an orphan; 10 to 15 s a run.
+Before the heartbeat was judged by whether it moves (commit 7d7999c), 4 runs of 4 crashed one worker.
 """
 
 from __future__ import annotations
