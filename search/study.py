@@ -63,17 +63,17 @@ def _open_database(url: str) -> optuna.storages.RDBStorage:
     if authority.count("@") > 1:  # SQLAlchemy would take the rest of the password for the host, and print it
         raise StudyError("storage", f"{redact(url)}: the password holds an unencoded '@'; write it as %40")
     full_url = _with_driver(url)
-    for attempt in range(SCHEMA_ATTEMPTS):
+    attempt = 0
+    while True:
         try:
             return optuna.storages.RDBStorage(full_url, engine_kwargs=_engine_kwargs(full_url))
         except Exception as exc:  # drivers raise their own types (ImportError, OperationalError, ValueError, ...)
             # Workers started together on an empty database race to create Optuna's tables and types: the
             # loser's CREATE fails with "already exists". The creation checks first, so a retry finds them.
-            if "already exists" in str(exc) and attempt + 1 < SCHEMA_ATTEMPTS:
-                time.sleep(0.5 * (attempt + 1))
-                continue
-            raise StudyError("storage", f"cannot open {redact(url)}: {redact(one_line(exc), url)}") from None
-    raise AssertionError("unreachable")
+            attempt += 1
+            if "already exists" not in str(exc) or attempt >= SCHEMA_ATTEMPTS:
+                raise StudyError("storage", f"cannot open {redact(url)}: {redact(one_line(exc), url)}") from None
+            time.sleep(0.5 * attempt)
 
 
 def _open_journal(storage: str, *, create: bool) -> optuna.storages.JournalStorage:
