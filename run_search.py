@@ -6,23 +6,28 @@
     python run_search.py leaderboard                  # print the study's leaderboard
     optuna-dashboard study.db --artifact-dir artifacts
 
-Bad input (budget file, box, storage) is reported on one line with exit code 2, before any model is loaded and
-before a study, a round folder or the submission is written.
+Bad input (command line, budget file, box, storage) is reported on one line with exit code 2, before any model is
+loaded and before a study, a round folder or the submission is written. No password of a storage URL is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import sys
 import time
+import traceback
+import uuid
 from pathlib import Path
+from typing import Iterator
 
 from search.settings import Settings, SettingsError, check_box, load_settings
-from search.study import StudyError, load_existing_study, open_study
+from search.study import load_existing_study, open_study, redact
+from trainer.validation import InvalidValue, one_line
 
 ROOT = Path(__file__).resolve().parent
 BUDGET = ROOT / "budget.yaml"
@@ -43,18 +48,38 @@ SIMULATED_STORAGE = "simulated/study.db"
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line and exit code 2, like every other bad input
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {redact(one_line(message))}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    storage = {"in use": args.storage}  # the storage whose password no line may show, once the budget is read
     try:
         if args.command == "leaderboard":
             return _print_leaderboard(args)
-        return _search(args)
-    except (SettingsError, StudyError) as exc:
-        print(f"run_search.py: error: {exc}", file=sys.stderr)
+        return _search(args, storage)
+    except InvalidValue as exc:
+        print(f"run_search.py: error: {redact(str(exc), storage['in use'])}", file=sys.stderr)
         return 2
+    except Exception:  # not bad input: a failure during the search, shown whole, without a password
+        print(redact(traceback.format_exc(), storage["in use"]), end="", file=sys.stderr)
+        return 1
+
+
+class _InputError(InvalidValue):
+    """Reading the input failed in a way no check foresaw; still one line, naming what was being read."""
+
+
+@contextlib.contextmanager
+def _reading(key: str) -> Iterator[None]:
+    """Whatever the budget, the box or the storage hold, reading them ends in one line and exit code 2: an exception
+    no check foresaw is reported with its type, under the key being read."""
+    try:
+        yield
+    except InvalidValue:
+        raise
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        raise _InputError(key, f"{type(exc).__name__}: {exc}") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,27 +105,34 @@ def _print_leaderboard(args: argparse.Namespace) -> int:
     from search.leaderboard import format_leaderboard
 
     if args.simulate:
-        raise SettingsError("leaderboard: --simulate is for a search; give the simulated study's --storage instead")
-    print(format_leaderboard(load_existing_study(_load(args))))
+        raise SettingsError("leaderboard", "--simulate is for a search; give the simulated study's --storage instead")
+    with _reading("budget"):
+        settings = _load(args)
+    with _reading("storage"):
+        board = format_leaderboard(load_existing_study(settings))
+    print(board)
     return 0
 
 
-def _search(args: argparse.Namespace) -> int:
-    if args.simulate:
-        settings = _load(args, storage=args.storage or SIMULATED_STORAGE)
-        if args.study_name is None:
-            settings = dataclasses.replace(settings, study_name=f"{settings.study_name}-sim-{time.strftime('%Y%m%d-%H%M%S')}")
-    else:
-        settings = _load(args)
-        if args.demo:
-            _build_demo_box(settings)
-        check_box(settings)  # before the study exists, so bad input leaves nothing behind
+def _search(args: argparse.Namespace, storage: dict[str, str | None]) -> int:
+    with _reading("budget"):
+        settings = _load(args, storage=args.storage or SIMULATED_STORAGE) if args.simulate else _load(args)
+    storage["in use"] = settings.storage
+    if args.simulate and args.study_name is None:  # a fresh study per rehearsal, even two started in one second
+        name = f"{settings.study_name}-sim-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        settings = dataclasses.replace(settings, study_name=name)
+    if args.demo:
+        _build_demo_box(settings)
+    if not args.simulate:
+        with _reading("box"):
+            check_box(settings)  # before the study exists, so bad input leaves nothing behind
 
     from search.clock import VirtualClock, WallClock
     from search.scheduler import Scheduler
 
     clock = VirtualClock(start=time.time()) if args.simulate else WallClock()
-    study, deadline = open_study(settings, now=clock.now())
+    with _reading("storage"):
+        study, deadline = open_study(settings, now=clock.now())
     if args.simulate:
         from search.simulated_backend import SimulatedBackend
 
@@ -110,7 +142,8 @@ def _search(args: argparse.Namespace) -> int:
         from search.local_backend import LocalBackend
         from search.promotion import recover_submission
 
-        recover_submission(settings.submission_path)
+        with _reading("submission_path"):
+            recover_submission(settings.submission_path)
         backend = LocalBackend(settings)
         promote = None  # the Scheduler's own: search.promotion.promote into settings.submission_path
     folder = _results_folder(settings.storage)
@@ -179,7 +212,7 @@ class _RoundEnd:
             if self.prune:
                 held = (promoted(self.settings.submission_path) or {}).get("trial")
                 keep = {held} if isinstance(held, int) else set()  # the current best, whatever the study ranks
-                prune_run_dirs(self.study, self.settings.keep_rounds, keep=keep)
+                prune_run_dirs(self.study, self.settings.keep_rounds, self.settings.rounds_dir, keep=keep)
             _write_leaderboard(self.study, self.folder)
         except Exception as exc:  # noqa: BLE001 - see the class docstring
             print(f"warning: after round {trial.number}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

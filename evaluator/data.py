@@ -1,10 +1,12 @@
 """Loading a counting split from disk, as the box holds it: a `save_to_disk` folder or a folder of parquet/arrow files.
 
-Every bad folder fails here, before a model is loaded, with a message that names the folder and what is wrong.
+Every bad folder fails here, before a model is loaded, with a message that names the folder and what is wrong:
+whatever a folder holds, reading it ends in a DataError.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -32,17 +34,22 @@ def load_split(path: str | Path, limit: int | None = None, seed: int | None = No
     (kept in the folder's order, so the same seed always picks the same rows).
     """
     folder = Path(path)
-    if not folder.exists():
-        raise DataError(f"{folder}: no such folder")
-    if not folder.is_dir():
-        raise DataError(f"{folder}: not a folder")
-    ds = _read(folder)
-    missing = [name for name in REQUIRED_COLUMNS if name not in ds.column_names]
-    if missing:
-        raise DataError(f"{folder}: missing column(s) {', '.join(missing)} (has {', '.join(ds.column_names)})")
-    if len(ds) == 0:
-        raise DataError(f"{folder}: zero rows")
-    return _subset(_decoded_images(ds, folder), limit, seed)
+    try:
+        if not folder.exists():
+            raise DataError(f"{folder}: no such folder")
+        if not folder.is_dir():
+            raise DataError(f"{folder}: not a folder")
+        ds = _read(folder)
+        missing = [name for name in REQUIRED_COLUMNS if name not in ds.column_names]
+        if missing:
+            raise DataError(f"{folder}: missing column(s) {', '.join(missing)} (has {', '.join(ds.column_names)})")
+        if len(ds) == 0:
+            raise DataError(f"{folder}: zero rows")
+        return _subset(_decoded_images(ds, folder), limit, seed)
+    except DataError:
+        raise
+    except Exception as error:  # noqa: BLE001 - datasets and pyarrow fail on a damaged folder with many types
+        raise DataError(f"{folder}: cannot read it as a split ({type(error).__name__}: {error})") from error
 
 
 def validate_solutions(ds: datasets.Dataset, source: str = "split") -> list[int]:
@@ -62,7 +69,8 @@ def validate_solutions(ds: datasets.Dataset, source: str = "split") -> list[int]
 def _read(folder: Path) -> datasets.Dataset:
     if (folder / _SAVED_DICT_FILE).exists():
         return _only_split(datasets.load_from_disk(str(folder)), folder)
-    if all((folder / name).exists() for name in _SAVED_DATASET_FILES):
+    if any((folder / name).exists() for name in _SAVED_DATASET_FILES):
+        _check_saved_shards(folder)
         return datasets.load_from_disk(str(folder))
     # The top level only: a folder that holds several splits' folders is not one split.
     parquet = sorted(str(p) for p in folder.glob("*.parquet"))
@@ -79,6 +87,24 @@ def _read(folder: Path) -> datasets.Dataset:
         return datasets.load_dataset(builder, data_files=files, split="train")
     except (pyarrow.ArrowException, DatasetGenerationError) as error:
         raise DataError(f"{folder}: cannot read its {builder} files ({error.__cause__ or error})") from error
+
+
+def _check_saved_shards(folder: Path) -> None:
+    """The arrow shards a `save_to_disk` folder's state.json names are there, and there is at least one (an empty
+    dataset is saved without any, and `load_from_disk` then fails with an IndexError)."""
+    try:
+        state = json.loads((folder / "state.json").read_bytes())
+    except (OSError, ValueError) as error:
+        raise DataError(f"{folder}: state.json is not a readable JSON object ({error})") from None
+    shards = state.get("_data_files") if isinstance(state, dict) else None
+    named = isinstance(shards, list) and all(isinstance(s, dict) and isinstance(s.get("filename"), str) for s in shards)
+    if not named:
+        raise DataError(f"{folder}: state.json is not a readable JSON object (no list of _data_files)")
+    if not shards:
+        raise DataError(f"{folder}: zero rows")
+    for shard in shards:
+        if not (folder / shard["filename"]).is_file():
+            raise DataError(f"{folder}: {shard['filename']} is missing (named by state.json)")
 
 
 def _only_split(splits: datasets.DatasetDict, folder: Path) -> datasets.Dataset:

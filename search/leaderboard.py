@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -284,7 +285,8 @@ def _rewards(weights: dict[str, float]) -> str:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    # Readers (a user's editor, a second worker) never see half a table.
-    partial = path.with_name(f".{path.name}.partial")
+    # Readers (a user's editor, a second worker) never see half a table; workers sharing the folder each write their
+    # own partial file, so that one's rename never takes the other's away.
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(text)
     partial.replace(path)

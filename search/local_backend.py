@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from search.backend import DONE, EVALUATING, TRAINING, RoundOutcome
+from search.folders import inside
 from trainer.config import TrialConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +60,10 @@ class LocalBackend:
         """Kill what is left of a round whose scheduler died (SIGKILL, power loss of the scheduler alone): every
         process group its `processes.jsonl` lists that was started on this host and is still the same group
         (a group whose leader now is a different process, by its start time, is someone else's). Returns the
-        process group ids signalled."""
+        process group ids signalled. A `run_dir` outside this study's rounds folder is refused (OSError): it comes
+        from the storage, and its processes.jsonl could name any process."""
+        if not inside(run_dir, self.settings.rounds_dir):
+            raise OSError(f"{run_dir} is not inside {self.settings.rounds_dir}; its processes are left alone")
         return reap_processes(Path(run_dir))
 
     def train_command(self, gpus: list[int], config_path: Path) -> list[str]:
@@ -338,7 +342,7 @@ def reap_processes(run_dir: Path) -> list[int]:
             pgid, start, host = int(entry["pgid"]), entry.get("start"), entry.get("host")
         except (ValueError, KeyError, TypeError):
             continue  # a torn line: its process was the last one spawned, and the scheduler died with it
-        if host != socket.gethostname() or pgid <= 1:
+        if host != socket.gethostname() or pgid <= 1 or pgid == os.getpgrp():  # never the scheduler's own group
             continue
         now = _start_time(pgid)
         if now is not None and start is not None and now != start:

@@ -29,6 +29,7 @@ import optuna
 from optuna.trial import TrialState
 
 from search import verification
+from search.folders import inside
 
 MARKER = "PROMOTED.json"
 _LOG = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def promote(
         return False
     check = check or check_submission
     submission = Path(submission_dir)
-    with _locked(_lock_path(submission)):
+    with _locked(lock_path(submission)):
         _recover(submission)
         current = promoted(submission)
         if current is not None and accuracy <= current["accuracy"]:
@@ -108,7 +109,7 @@ def recover_submission(submission_dir: str | os.PathLike) -> None:
     """
     submission = Path(submission_dir)
     if submission.parent.is_dir():
-        with _locked(_lock_path(submission)):
+        with _locked(lock_path(submission)):
             _recover(submission)
 
 
@@ -191,7 +192,7 @@ def restore_previous(submission_dir: str | os.PathLike) -> dict | None:
     """Swap the previous submission (kept aside at the last promotion) back in; returns its PROMOTED.json, or None
     when there is none. The replaced submission is deleted (its round folder still holds the model)."""
     submission = Path(submission_dir)
-    with _locked(_lock_path(submission)):
+    with _locked(lock_path(submission)):
         previous = _previous_path(submission)
         marker = promoted(previous)
         if marker is None:
@@ -208,14 +209,17 @@ def restore_previous(submission_dir: str | os.PathLike) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------------------- runs folder
-def prune_run_dirs(study: optuna.Study, keep_rounds: int, *, keep: set[int] | frozenset = frozenset()) -> list[Path]:
+def prune_run_dirs(
+    study: optuna.Study, keep_rounds: int, rounds_dir: str | os.PathLike, *, keep: set[int] | frozenset = frozenset()
+) -> list[Path]:
     """Delete the weights of this study's finished rounds but the best one, the `keep_rounds` next best, the rounds
     in `keep` (the one the submission holds) and the parents of running rounds (`parent` user attr: a round that
     continues another starts from its merged model).
 
     Weights are a round folder's sub-folders (merged/, checkpoints) and weight files; logs, JSON and plots stay, so
     the leaderboard and the dashboard keep every round's story. Only folders the study's trials name (user attr
-    `run_dir`) are touched, never another study's, and never a round still running. Returns what was deleted.
+    `run_dir`) inside `rounds_dir` (the study's own folder) are touched: a `run_dir` is storage content, which
+    whoever can write to a shared database sets. Never a round still running. Returns what was deleted.
     """
     trials = study.get_trials(deepcopy=False)
     completed = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
@@ -225,7 +229,9 @@ def prune_run_dirs(study: optuna.Study, keep_rounds: int, *, keep: set[int] | fr
     deleted = []
     for trial in trials:
         folder = trial.user_attrs.get("run_dir")
-        if trial.number in keep or not trial.state.is_finished() or not folder or not Path(folder).is_dir():
+        if trial.number in keep or not trial.state.is_finished() or not inside(folder, rounds_dir):
+            continue
+        if not Path(folder).is_dir() or Path(folder).is_symlink():
             continue
         for entry in sorted(Path(folder).iterdir()):
             if entry.is_dir() or entry.suffix in _WEIGHT_SUFFIXES:
@@ -305,7 +311,8 @@ def _replace_contents(submission: Path, staging: Path) -> None:
     _fsync_dir(submission)
 
 
-def _lock_path(submission: Path) -> Path:
+def lock_path(submission: Path) -> Path:
+    """The file workers sharing `submission` lock while they promote into it (a plain file next to it)."""
     return submission.parent / f".{submission.name}.lock"
 
 
@@ -319,12 +326,21 @@ def _previous_path(submission: Path) -> Path:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    # O_NOFOLLOW: a symlink planted at the lock's path would have the search open, or create, whatever it names.
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise PromotionError(f"{path} is a symlink; the lock must be a plain file (remove it)") from None
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _remove(path: Path) -> None:

@@ -7,9 +7,12 @@ runs past it; no round runs into the reserve. Rounds run side by side on disjoin
 when `rounds_per_slot` says so); Optuna's TPE treats the RUNNING ones as bad points (constant liar), so parallel
 rounds do not sample the same configuration.
 
-Several schedulers may share one study (each on its own GPUs): each stamps its trials with a worker id and a
-heartbeat, and a RUNNING trial is declared orphaned only when its worker is provably dead (same host, no such
-process) or its heartbeat is stale. Optuna's own heartbeat runs only inside `optimize()`, not with ask/tell.
+Several schedulers may share one study (each on its own GPUs): each stamps its trials with a worker id and, from a
+thread, a heartbeat (search/heartbeat.py), and a RUNNING trial is declared orphaned only when its worker is provably
+dead (same host, no such process) or its heartbeat has not moved for ORPHAN_AFTER_S of the observer's own time: no
+two clocks are compared, neither two boxes' nor two `--simulate` runs' virtual ones. A round whose trial another
+worker finished meanwhile is ended, and this worker goes on. Optuna's own heartbeat runs only inside `optimize()`,
+not with ask/tell.
 
 Round 0 scores the base model (recipe `base`, queued first when the study is created): it is the first candidate
 for the submission (the format floor does not apply to it), so that a search whose every round fails still hands in
@@ -28,6 +31,7 @@ import contextlib
 import math
 import os
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,17 +42,19 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from search import selection, space
-from search.backend import TRAINING, Backend, RoundHandle, RoundOutcome
+from search.backend import TIMING_KEYS, TRAINING, Backend, RoundHandle, RoundOutcome
 from search.clock import Clock
 from search.duration import DurationModel
+from search.heartbeat import HEARTBEAT_ATTR, Heartbeat
 from search.study import FINAL_CHECK_ATTR
 from search.verification import CHECK_ROWS
 from trainer.config import ConfigError, TrialConfig
+from trainer.validation import InvalidValue, is_number
 
 POLL_S = 5.0  # between two polls of the running rounds
-HEARTBEAT_S = 60.0  # between two heartbeats of our running trials (and orphan sweeps)
-# A RUNNING trial whose heartbeat is this old belongs to a dead worker. Generous: a live worker skips heartbeats
-# while it promotes (copying and loading 4.4 GB) or waits for a kill; a dead worker on this host is known at once.
+HEARTBEAT_S = 60.0  # real seconds between two heartbeats of our running trials; scheduler-clock seconds between sweeps
+# A RUNNING trial whose heartbeat has not moved for this many real seconds belongs to a dead worker. Generous: a
+# database that is briefly unreachable skips beats; a dead worker on this host is known at once.
 ORPHAN_AFTER_S = 15 * HEARTBEAT_S
 STATUS_EVERY_S = 60.0  # a status line at least this often while nothing changes
 SAFETY_SHARE = 0.05  # of an allotment, left free when fitting the steps: the prediction's error margin
@@ -66,6 +72,11 @@ BASE_ALLOTMENT_FACTOR = 4.0
 
 PromoteHook = Callable[[RoundOutcome, optuna.Trial], bool]
 RoundEndHook = Callable[[FrozenTrial, RoundOutcome], None]
+# The time against which other workers' heartbeats are watched: this process's own, never a clock they wrote.
+_liveness_clock = time.monotonic
+# Worker ids of the schedulers running in this process: one that stopped (an exception) left its RUNNING trials
+# behind though its process lives on.
+_LIVE_WORKERS: set[str] = set()
 # final_check(gpus) -> (passed, line): the submission checked in the reserve (None: nothing to check).
 FinalCheckHook = Callable[[list[int]], "tuple[bool, str]"]
 
@@ -148,7 +159,8 @@ class Scheduler:
         self._base_due = False  # round 0 is to be scored next, ahead of the queue (a resumed study, a failed one)
         self._misfits = 0  # consecutive configurations too slow for any round
         self._best: tuple[float, int] | None = None  # (promoted ood accuracy, trial number)
-        self._first_seen: dict[int, float] = {}  # RUNNING trials without a heartbeat yet
+        self._heartbeat = Heartbeat(study._storage, HEARTBEAT_S)
+        self._beats: dict[int, tuple[object, float]] = {}  # others' RUNNING trials: (heartbeat, when it last moved)
         self._sweep_at = -math.inf
         self._status_at = -math.inf
         self._status_key: tuple = ()
@@ -161,23 +173,35 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         self._learn_from_history()
+        _LIVE_WORKERS.add(self.worker)
+        self._heartbeat.start()
         try:
             while True:
                 now = self.clock.now()
                 if now >= self._sweep_at:
-                    self._heartbeat_and_sweep(now)
+                    self._sweep(now)
                     self._sweep_at = now + HEARTBEAT_S
-                for slot in list(self._running):
-                    self._poll(slot, now)
+                for slot, r in list(self._running.items()):
+                    try:
+                        if r.trial.number in self._heartbeat.lost():
+                            raise optuna.exceptions.UpdateFinishedTrialError(f"trial {r.trial.number} was finished")
+                        self._poll(slot, now)
+                    except optuna.exceptions.UpdateFinishedTrialError:
+                        self._end_lost_round(r, now)
                 for slot in range(len(self._slots)):
                     if self._closed is None and slot not in self._running:
-                        self._launch(slot, now)
+                        try:
+                            self._launch(slot, now)
+                        except optuna.exceptions.UpdateFinishedTrialError as error:  # finished before it started
+                            self._say(now, f"a round was finished by another worker before it started: {error}")
                 if self._closed is not None and not self._running:
                     break
                 self._status(now)
                 self.clock.sleep(POLL_S)
         finally:
+            self._heartbeat.stop()
             self._abandon_running()
+            _LIVE_WORKERS.discard(self.worker)
         self._say(self.clock.now(), f"search over: {self._closed}; {self._best_text()}")
         self._check_in_reserve()
 
@@ -194,7 +218,7 @@ class Scheduler:
         else:
             trial = self.study.ask()
         trial.set_user_attr("worker", self.worker)
-        trial.set_user_attr("heartbeat", now)
+        trial.set_user_attr(HEARTBEAT_ATTR, time.time())
         if trial.user_attrs.get("recipe") == space.BASE:
             self._launch_base(trial, slot, now)
             return
@@ -255,6 +279,7 @@ class Scheduler:
             last_line_at=now,
             parent=parent,
         )
+        self._heartbeat.add(trial)
         cut = f" (cut from {sampled_steps})" if steps < sampled_steps else ""
         origin = "the base" if parent.model_path == self.settings.model_path else f"round {parent.trial}"
         self._say(
@@ -288,12 +313,13 @@ class Scheduler:
             return
         self._running[slot] = _Round(trial, None, gpus, handle, now, end_by, stop_at=end_by, kill_at=end_by,
                                      last_line_at=now)  # fmt: skip
+        self._heartbeat.add(trial)
         self._say(now, f"round {trial.number} starts on {_gpus(gpus)}: scoring the base model, predicted "
                        f"{_minutes(predicted)}")  # fmt: skip
 
     def _run_dir(self, trial: optuna.Trial) -> Path:
         # Per study: several studies (the demo, a renamed study) may share one runs folder.
-        return Path(self.settings.runs_dir) / self.settings.study_name / f"round-{trial.number:04d}"
+        return Path(self.settings.rounds_dir) / f"round-{trial.number:04d}"
 
     def _parent(self, init: str) -> _Parent:
         """What a round of `init` starts from: the base, or the best promotable round whose weights are here."""
@@ -344,7 +370,7 @@ class Scheduler:
         reason = f"too slow: its shortest useful round ({shortest} steps) needs {needed}, more than round_max_minutes"
         trial.set_user_attr("state", "pruned")
         trial.set_user_attr("reason", reason)
-        self.study.tell(trial, state=TrialState.PRUNED)
+        self._tell(trial, state=TrialState.PRUNED)
         self._say(now, f"round {trial.number} not run: {reason}")
         self._misfits += 1
         if self._misfits >= MAX_CONSECUTIVE_MISFITS:
@@ -431,11 +457,12 @@ class Scheduler:
         if self.on_round_scored is not None:
             self.on_round_scored(r.trial, outcome)
         if state in ("completed", "stopped"):
-            self.study.tell(r.trial, outcome.ood_accuracy)
+            self._tell(r.trial, outcome.ood_accuracy)
         elif state == "pruned" or (state == "failed" and not r.killed and (reason or "").startswith(CONFIG_FAILURES)):
-            self.study.tell(r.trial, state=TrialState.PRUNED)  # Optuna keeps the last reported value
+            self._tell(r.trial, state=TrialState.PRUNED)  # Optuna keeps the last reported value
         else:
-            self.study.tell(r.trial, state=TrialState.FAIL)
+            self._tell(r.trial, state=TrialState.FAIL)
+        self._heartbeat.remove(r.trial)  # only now: a promotion of minutes keeps the trial RUNNING, and stamped
         self._count(state, now)
         score = f"ood {outcome.ood_accuracy:.1f}%, " if outcome.ood_accuracy is not None else ""
         self._say(now, f"round {r.trial.number} {state}: {score}{reason or 'ok'} after {_minutes(now - r.started)}")
@@ -512,10 +539,33 @@ class Scheduler:
             self._base_due = True
             self._say(now, f"round {number} gave the base model no score: it is scored once more, next")
 
+    def _tell(self, trial: optuna.Trial, *args, **kwargs) -> None:
+        """`study.tell`, raising UpdateFinishedTrialError when another worker finished the trial first (Optuna says
+        ValueError then)."""
+        try:
+            self.study.tell(trial, *args, **kwargs)
+        except ValueError:
+            if self.study._storage.get_trial(trial._trial_id).state.is_finished():
+                raise optuna.exceptions.UpdateFinishedTrialError(f"trial {trial.number} was finished") from None
+            raise
+
+    def _end_lost_round(self, r: _Round, now: float) -> None:
+        """Another worker finished this round's trial (it took this worker for dead, or wrote to the study by hand):
+        the round's processes are ended, its result is not recorded, and the search goes on."""
+        for slot, running in list(self._running.items()):
+            if running is r:
+                del self._running[slot]
+        self._heartbeat.remove(r.trial)
+        with contextlib.suppress(Exception):  # already over, or unkillable: nothing more to do about it here
+            r.handle.kill()
+        stored = self.study._storage.get_trial(r.trial._trial_id)
+        why = f"{stored.state.name}: {stored.user_attrs.get('reason') or 'no reason recorded'}"
+        self._say(now, f"round {r.trial.number} ended here: another worker finished its trial ({why})")
+
     def _tell_failed(self, trial: optuna.Trial, reason: str, now: float, *, count: bool = True) -> None:
         trial.set_user_attr("state", "failed")
         trial.set_user_attr("reason", reason)
-        self.study.tell(trial, state=TrialState.FAIL)
+        self._tell(trial, state=TrialState.FAIL)
         self._say(now, f"round {trial.number} failed: {reason}")
         if count:
             self._count("failed", now)
@@ -539,15 +589,22 @@ class Scheduler:
         live = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
         trials = self.study.get_trials(deepcopy=False, states=live)
         self._base_due = not any(t.user_attrs.get("recipe") == space.BASE for t in trials)
+        unreadable = 0
         for t in self.study.get_trials(deepcopy=False, states=finished):
             attrs = t.user_attrs
             if "timings" in attrs and ("config" in attrs or attrs.get("recipe") == space.BASE):
-                config = TrialConfig.from_dict(attrs["config"]) if "config" in attrs else None
-                self.duration.observe(config, attrs.get("steps_done", 0), attrs["timings"])
+                recorded = _recorded_round(attrs)
+                if recorded is None:
+                    unreadable += 1
+                else:
+                    self.duration.observe(*recorded)
             if self._into_submission:
                 continue
             if attrs.get("promoted") and t.value is not None and (self._best is None or t.value > self._best[0]):
                 self._best = (t.value, t.number)
+        if unreadable:
+            print(f"warning: {unreadable} finished round(s) of the study have unreadable timings; not learnt from",
+                  file=sys.stderr, flush=True)  # fmt: skip
         if self._into_submission:
             # What this box's submission holds, not the study's best promoted trial: with several boxes on one study
             # each promotes into its own submission folder, and a box that joins late must still fill its own.
@@ -557,18 +614,20 @@ class Scheduler:
             if marker is not None and isinstance(marker.get("accuracy"), (int, float)):
                 self._best = (float(marker["accuracy"]), marker.get("trial"))
 
-    def _heartbeat_and_sweep(self, now: float) -> None:
+    def _sweep(self, now: float) -> None:
+        """Fail the RUNNING trials of dead workers: one on this host whose process (or scheduler) is gone, or any whose
+        heartbeat has not moved for ORPHAN_AFTER_S of this process's own time."""
+        seen_at = _liveness_clock()
         ours = {r.trial.number for r in self._running.values()}
-        for r in self._running.values():
-            r.trial.set_user_attr("heartbeat", now)
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if t.number in ours:
                 continue
-            beat = t.user_attrs.get("heartbeat")
-            if beat is None:  # asked a moment ago by a live worker, or left by one that died at once
-                beat = self._first_seen.setdefault(t.number, now)
+            beat = t.user_attrs.get(HEARTBEAT_ATTR)
+            last = self._beats.get(t.number)
+            if last is None or last[0] != beat:
+                self._beats[t.number] = last = (beat, seen_at)
             dead_here = _dead_worker(t.user_attrs.get("worker"))
-            if dead_here or now - beat >= ORPHAN_AFTER_S:
+            if dead_here or seen_at - last[1] >= ORPHAN_AFTER_S:
                 self._fail_orphan(t, now, reap=dead_here)
 
     def _fail_orphan(self, t: FrozenTrial, now: float, *, reap: bool = False) -> None:
@@ -578,7 +637,7 @@ class Scheduler:
         # known dead on this host leaves its round's process groups to us.
         reap_orphan = getattr(self.backend, "reap_orphan", None)
         killed: list[int] = []
-        if reap and reap_orphan is not None and t.user_attrs.get("run_dir"):
+        if reap and reap_orphan is not None and isinstance(t.user_attrs.get("run_dir"), str):
             try:
                 killed = reap_orphan(t.user_attrs["run_dir"])
             except Exception as error:  # noqa: BLE001 - the sweep goes on; the trial is still failed
@@ -600,6 +659,7 @@ class Scheduler:
         here."""
         for slot in list(self._running):
             r = self._running.pop(slot)
+            self._heartbeat.remove(r.trial)
             with contextlib.suppress(Exception):
                 r.handle.kill()
             with contextlib.suppress(Exception):
@@ -640,22 +700,40 @@ def _set_user_attrs(trial: optuna.Trial, attrs: dict) -> None:
         trial.set_user_attr(key, value)
 
 
-def _dead_worker(worker: str | None) -> bool:
-    """True when `worker` ran on this host in a process that no longer exists (a restarted search on one box
-    need not wait for the heartbeat to go stale)."""
-    if not worker:
+def _dead_worker(worker: object) -> bool:
+    """True when `worker` ran on this host in a process that no longer exists, or in this process in a scheduler
+    that has stopped (a restarted search on one box need not wait for the heartbeat to stop moving)."""
+    if not isinstance(worker, str):
         return False
     host, _, rest = worker.partition(":")
     pid = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid.isdigit():
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) < 1:
         return False
+    if int(pid) == os.getpid():
+        return worker not in _LIVE_WORKERS
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
-        return False  # alive, someone else's
+    except (PermissionError, OverflowError):  # alive and someone else's; or no process id at all
+        return False
     return False
+
+
+def _recorded_round(attrs: dict) -> tuple[TrialConfig | None, int, dict[str, float]] | None:
+    """A finished trial's configuration, steps and timings as the DurationModel takes them, or None when they are not
+    what this search records (storage content: another version, another tool, or a hand may have written it)."""
+    try:
+        config = TrialConfig.from_dict(attrs["config"]) if "config" in attrs else None  # None: round 0 scored only
+    except (InvalidValue, TypeError):
+        return None
+    steps, timings = attrs.get("steps_done", 0), attrs["timings"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0 or not isinstance(timings, dict):
+        return None
+    parts = {*TIMING_KEYS, *(f"{key}_at_least" for key in TIMING_KEYS)}
+    if not all(key in parts and is_number(value) and math.isfinite(value) for key, value in timings.items()):
+        return None
+    return config, steps, timings
 
 
 def _describe(config: TrialConfig) -> str:

@@ -17,13 +17,14 @@ TrialConfig's names). Conditional options get distinct parameter names, so that 
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Mapping
 
 import optuna
 
+from trainer import validation
 from trainer.config import ConfigError, TrialConfig
 from trainer.rewards import REWARDS
+from trainer.validation import InvalidValue, show, show_key
 
 if TYPE_CHECKING:
     from search.settings import Settings
@@ -54,13 +55,8 @@ SAMPLED, BASE = "sampled", "base"
 ANSWER_FORMAT_ALONE = "w_answer_format_alone"
 
 
-class SpaceError(ValueError):
+class SpaceError(InvalidValue):
     """A bad space or warm-start entry; `key` is its path below `space` (or below a warm start's `params`)."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        self.message = message
-        super().__init__(f"{key}: {message}")
 
 
 # ---------------------------------------------------------------------------------------------------------- sampling
@@ -141,9 +137,10 @@ def warm_start_params(recipe: Mapping[str, Any], space: Mapping[str, Any]) -> di
     Every value must lie in the space, so that the sampler's distributions contain the enqueued trial. Options the
     recipe leaves out are sampled; rewards it leaves out get weight 0.
     """
-    unknown = sorted(set(recipe) - set(WARM_START_KEYS))
+    unknown = validation.unknown_keys(recipe, WARM_START_KEYS)
     if unknown:
-        raise SpaceError(unknown[0], f"not a searched option; searched: {list(WARM_START_KEYS)} (set the others in fixed)")
+        searched = f"searched: {list(WARM_START_KEYS)} (set the others in fixed)"
+        raise SpaceError(show_key(unknown[0]), f"not a searched option; {searched}")
     params: dict[str, Any] = {}
     if "init" in recipe:
         params["init"] = _in_choices("init", recipe["init"], space["init"], "space.init")
@@ -169,10 +166,10 @@ def warm_start_params(recipe: Mapping[str, Any], space: Mapping[str, Any]) -> di
 
 def _reward_params(weights: Any, choices: Mapping[str, list[float]]) -> dict[str, Any]:
     if not isinstance(weights, Mapping):
-        raise SpaceError("reward_weights", f"must map reward names to weights, got {weights!r}")
-    unknown = sorted(set(weights) - set(choices))
+        raise SpaceError("reward_weights", f"must map reward names to weights, got {show(weights)}")
+    unknown = validation.unknown_keys(weights, choices)
     if unknown:
-        raise SpaceError(f"reward_weights.{unknown[0]}", f"not in space.reward_weights {sorted(choices)}")
+        raise SpaceError(f"reward_weights.{show_key(unknown[0])}", f"not in space.reward_weights {sorted(choices)}")
     values = {name: _number(f"reward_weights.{name}", weights.get(name, 0.0)) for name in choices}
     if values["accuracy"] == 0 and values["answer_format"] == 0:
         raise SpaceError("reward_weights", "accuracy and answer_format must not both be 0")
@@ -188,10 +185,10 @@ def _reward_params(weights: Any, choices: Mapping[str, list[float]]) -> dict[str
 def _in_choices(key: str, value: Any, choices: list[Any], where: str) -> Any:
     # The stored choice itself (e.g. 1.0 for a YAML 1), so the enqueued value is exactly one of the distribution's.
     for choice in choices:
-        if type(choice) is type(value) or (_is_number(choice) and _is_number(value)):
+        if type(choice) is type(value) or (validation.is_number(choice) and validation.is_number(value)):
             if choice == value:
                 return choice
-    raise SpaceError(key, f"{value!r} is not one of {where} {choices}")
+    raise SpaceError(key, f"{show(value)} is not one of {where} {choices}")
 
 
 def _in_range(key: str, value: Any, option: str, space: Mapping[str, Any]) -> float | int:
@@ -211,10 +208,10 @@ def _in_range(key: str, value: Any, option: str, space: Mapping[str, Any]) -> fl
 def check_space(space: Any) -> dict[str, Any]:
     """The validated space (a copy, numbers normalized); raises SpaceError naming the key below `space`."""
     if not isinstance(space, Mapping):
-        raise SpaceError("", f"must be a mapping of option -> bounds, got {space!r}")
-    unknown = sorted(set(space) - set(SPACE_KEYS))
+        raise SpaceError("", f"must be a mapping of option -> bounds, got {show(space)}")
+    unknown = validation.unknown_keys(space, SPACE_KEYS)
     if unknown:
-        raise SpaceError(unknown[0], f"unknown option; searched options: {list(SPACE_KEYS)}")
+        raise SpaceError(show_key(unknown[0]), f"unknown option; searched options: {list(SPACE_KEYS)}")
     missing = [key for key in SPACE_KEYS if key not in space]
     if missing:
         raise SpaceError(missing[0], "missing")
@@ -231,18 +228,18 @@ def check_space(space: Any) -> dict[str, Any]:
 
 def _check_init(choices: Any) -> list[str]:
     if not isinstance(choices, list) or not choices or any(choice not in INITS for choice in choices):
-        raise SpaceError("init", f"must be a non-empty list of {list(INITS)}, got {choices!r}")
+        raise SpaceError("init", f"must be a non-empty list of {list(INITS)}, got {show(choices)}")
     if len(set(choices)) != len(choices):
-        raise SpaceError("init", f"has a repeated choice: {choices}")
+        raise SpaceError("init", f"has a repeated choice: {show(choices)}")
     return list(choices)
 
 
 def _check_reward_weights(value: Any) -> dict[str, list[float]]:
     if not isinstance(value, Mapping) or not value:
-        raise SpaceError("reward_weights", f"must map reward names to lists of weights, got {value!r}")
-    for name in value:
-        if name not in REWARDS:
-            raise SpaceError(f"reward_weights.{name}", f"unknown reward; known: {sorted(REWARDS)}")
+        raise SpaceError("reward_weights", f"must map reward names to lists of weights, got {show(value)}")
+    unknown = validation.unknown_keys(value, REWARDS)
+    if unknown:
+        raise SpaceError(f"reward_weights.{show_key(unknown[0])}", f"unknown reward; known: {sorted(REWARDS)}")
     for name in CORE_REWARDS:
         if name not in value:
             raise SpaceError(f"reward_weights.{name}", "missing (list [0.0] to switch it off)")
@@ -250,13 +247,13 @@ def _check_reward_weights(value: Any) -> dict[str, list[float]]:
     for name, choices in value.items():
         key = f"reward_weights.{name}"
         if not isinstance(choices, list) or not choices:
-            raise SpaceError(key, f"must be a non-empty list of weights, got {choices!r}")
+            raise SpaceError(key, f"must be a non-empty list of weights, got {show(choices)}")
         weights = [_number(f"{key}[{i}]", w) for i, w in enumerate(choices)]
         for i, w in enumerate(weights):
             if not 0 <= w <= 1e3:
                 raise SpaceError(f"{key}[{i}]", f"must be in [0, 1000], got {w}")
         if len(set(weights)) != len(weights):
-            raise SpaceError(key, f"has a repeated weight: {choices}")
+            raise SpaceError(key, f"has a repeated weight: {show(choices)}")
         checked[name] = [float(w) for w in weights]
     if 0 in checked["accuracy"] and not any(w > 0 for w in checked["answer_format"]):
         raise SpaceError("reward_weights.answer_format", "needs a weight > 0, since accuracy may be 0")
@@ -265,11 +262,11 @@ def _check_reward_weights(value: Any) -> dict[str, list[float]]:
 
 def _check_choices(option: str, choices: Any) -> list[Any]:
     if not isinstance(choices, list) or not choices:
-        raise SpaceError(option, f"must be a non-empty list of choices, got {choices!r}")
+        raise SpaceError(option, f"must be a non-empty list of choices, got {show(choices)}")
     for i, choice in enumerate(choices):
         _check_config_value(f"{option}[{i}]", option, choice)
     if len(set(choices)) != len(choices):
-        raise SpaceError(option, f"has a repeated choice: {choices}")
+        raise SpaceError(option, f"has a repeated choice: {show(choices)}")
     return list(choices)
 
 
@@ -277,10 +274,10 @@ def _check_range(option: str, bounds: Any) -> dict[str, Any]:
     _, field, kind = RANGE_OPTIONS[option]
     allowed = ("low", "high", "step") if kind == "int" else ("low", "high")
     if not isinstance(bounds, Mapping):
-        raise SpaceError(option, f"must be a mapping with keys {list(allowed)}, got {bounds!r}")
-    unknown = sorted(set(bounds) - set(allowed))
+        raise SpaceError(option, f"must be a mapping with keys {list(allowed)}, got {show(bounds)}")
+    unknown = validation.unknown_keys(bounds, allowed)
     if unknown:
-        raise SpaceError(f"{option}.{unknown[0]}", f"unknown key; known: {list(allowed)}")
+        raise SpaceError(f"{option}.{show_key(unknown[0])}", f"unknown key; known: {list(allowed)}")
     for key in ("low", "high"):
         if key not in bounds:
             raise SpaceError(f"{option}.{key}", "missing")
@@ -288,7 +285,7 @@ def _check_range(option: str, bounds: Any) -> dict[str, Any]:
     for key, value in bounds.items():
         number = _number(f"{option}.{key}", value)
         if kind == "int" and number != int(number):
-            raise SpaceError(f"{option}.{key}", f"must be an integer, got {value!r}")
+            raise SpaceError(f"{option}.{key}", f"must be an integer, got {show(value)}")
         checked[key] = int(number) if kind == "int" else float(number)
     if kind == "log" and checked["low"] <= 0:
         raise SpaceError(f"{option}.low", "must be > 0 (the range is log-uniform)")
@@ -306,15 +303,8 @@ def _check_config_value(key: str, field: str, value: Any) -> None:
     try:
         TrialConfig(model_path="-", train_path="-", output_dir="-", **{field: value})
     except ConfigError as exc:
-        message = str(exc).removeprefix(f"{exc.field}: ")
-        raise SpaceError(key, message) from None
+        raise SpaceError(key, exc.message) from None
 
 
 def _number(key: str, value: Any) -> float:
-    if not _is_number(value):
-        raise SpaceError(key, f"must be a finite number, got {value!r}")
-    return value
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return validation.number(key, value, error=SpaceError)

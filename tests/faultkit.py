@@ -189,11 +189,14 @@ def write_budget(folder: Path, **changes) -> Path:
 
 
 def fake_model(folder: Path) -> Path:
-    """A folder that passes the box check as a Qwen2-VL model, shaped like the stub trainer's merged models (tag
-    "base"): the stubs load nothing."""
+    """A folder that passes the box check as a Qwen2-VL model: its config (tag "base", as the stub trainer tags its
+    merged models) and a one-number weights file (the stubs load nothing)."""
+    import numpy
+    from safetensors.numpy import save_file
+
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "tag": "base"}))
-    (folder / "model.safetensors").write_text("base" * 100)
+    save_file({"weight": numpy.zeros(1, dtype=numpy.float32)}, str(folder / "model.safetensors"))
     return folder
 
 

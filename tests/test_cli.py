@@ -12,6 +12,8 @@ import optuna
 import pytest
 import yaml
 
+import faultkit
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "run_search.py"
 
@@ -31,13 +33,12 @@ def budget(folder: Path, **changes) -> Path:
 
 @pytest.fixture()
 def box(tmp_path, tiny_split_dir) -> dict:
-    """budget.yaml values for a box in tmp_path: a Qwen2-VL config (nothing is loaded before the checks pass)."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    """budget.yaml values for a box in tmp_path: a Qwen2-VL config and a tiny weights file (nothing is loaded before
+    the checks pass)."""
+    model = faultkit.fake_model(tmp_path / "model")
     (tmp_path / "app").mkdir()
     return {
-        "model_path": str(model), "train_path": str(tiny_split_dir), "val_path": str(tiny_split_dir),
+        "gpus": 0, "model_path": str(model), "train_path": str(tiny_split_dir), "val_path": str(tiny_split_dir),
         "ood_val_path": str(tiny_split_dir), "submission_path": str(tmp_path / "app" / "submission"),
     }  # fmt: skip
 
@@ -62,7 +63,7 @@ def _entries(folder: Path) -> set[str]:
         (["--hours", "0"], "hours: must be > 0"),
         (["--hours", "-3"], "hours: must be > 0"),
         (["--hours", "nan"], "hours: must be a finite number"),
-        (["--hours", "soon"], "hours: must be a positive number of hours, got 'soon'"),
+        (["--hours", "soon"], "hours: must be a number of hours, got 'soon'"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["--simulate", "--demo"], "not allowed with argument"),
         (["--budget", "absent.yaml"], "budget: cannot read absent.yaml"),
@@ -157,3 +158,22 @@ def test_the_demo_rerenders_a_box_of_other_sizes_or_seed(tmp_path, monkeypatch):
     assert not _demo_box_is(tmp_path / "box", sizes, 0)
     write_box(tmp_path / "older", sizes, 1000, image_size=(32, 32), count_range=(1, 3))  # before the marker
     assert not _demo_box_is(tmp_path / "older", sizes, 1000)
+
+
+def test_two_rehearsals_started_in_the_same_second_get_two_studies(tmp_path, monkeypatch):
+    import contextlib
+    import io
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.chdir(tmp_path)
+    import run_search
+    from search import scheduler
+    from search.study import open_storage
+
+    monkeypatch.setattr(scheduler.Scheduler, "run", lambda self: None)  # the names are the point, not the search
+    monkeypatch.setattr(run_search.time, "strftime", lambda *args: "20270101-000000")  # one and the same second
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run_search.main(["--simulate"]) == 0
+        assert run_search.main(["--simulate"]) == 0
+    names = [s.study_name for s in open_storage("simulated/study.db", create=False).get_all_studies()]
+    assert len(set(names)) == 2 and all(name.startswith("count-grpo-sim-20270101-000000-") for name in names)

@@ -175,6 +175,17 @@ def test_workers_serialize_on_the_lock(tmp_path):
     assert result == {"ok": True} and _tag(submission) == "a"
 
 
+def test_the_lock_is_not_followed_through_a_symlink(tmp_path):
+    """A symlink planted at the lock's path would have the search open (or create) what it names, as root maybe."""
+    submission = tmp_path / "submission"
+    (tmp_path / ".submission.lock").symlink_to(tmp_path / "created-elsewhere")
+    with pytest.raises(PromotionError, match=r"\.submission\.lock is a symlink"):
+        _promote(_model(tmp_path / "a", "a"), submission, 70.0)
+    with pytest.raises(PromotionError, match="is a symlink"):
+        recover_submission(submission)
+    assert not (tmp_path / "created-elsewhere").exists() and not submission.exists()
+
+
 def test_prune_run_dirs_keeps_the_best_rounds_and_every_log(tmp_path):
     study = optuna.create_study(direction="maximize")
     runs = tmp_path / "runs"
@@ -187,14 +198,39 @@ def test_prune_run_dirs_keeps_the_best_rounds_and_every_log(tmp_path):
     study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"run_dir": str(runs / "p")}))
     study.ask().set_user_attr("run_dir", str(runs / "running"))
 
-    deleted = prune_run_dirs(study, keep_rounds=1)
+    deleted = prune_run_dirs(study, keep_rounds=1, rounds_dir=runs)
     assert sorted(p.relative_to(runs).as_posix() for p in deleted) == [
         "a/adapter.safetensors", "a/merged", "d/adapter.safetensors", "d/merged", "p/adapter.safetensors", "p/merged"
     ]  # fmt: skip
     for kept in ("b", "c", "running", "other-study"):
         assert (runs / kept / "merged").is_dir()
     assert (runs / "a" / "progress.jsonl").is_file()
-    assert prune_run_dirs(study, keep_rounds=1) == []
+    assert prune_run_dirs(study, keep_rounds=1, rounds_dir=runs) == []
+
+
+def test_prune_run_dirs_deletes_nothing_outside_the_studys_rounds_folder(tmp_path):
+    """A finished trial's run_dir is storage content: whoever can write to a shared database can point it anywhere.
+    Outside runs_dir/<study> (by path, by `..`, or through a symlink) nothing is deleted; inside, pruning goes on."""
+    study = optuna.create_study(direction="maximize")
+    rounds = tmp_path / "runs" / "study"
+    outside = tmp_path / "precious"
+    _model(outside / "merged", "precious")
+    (outside / "weights.safetensors").write_text("w")
+    (rounds / "round-0003").mkdir(parents=True)
+    (rounds / "round-0003" / "link").symlink_to(outside)  # a round folder may hold a link out: only it goes
+    (rounds / "round-0004").symlink_to(outside, target_is_directory=True)
+    _model(rounds / "round-0005" / "merged", "ours")
+    recorded = [str(outside), str(rounds / ".." / ".." / "precious"), str(rounds / "round-0004"), "/", str(rounds),
+                str(tmp_path), 5, ["a"], str(rounds / "round-0003"), str(rounds / "round-0005")]
+    for i, run_dir in enumerate(recorded):
+        study.add_trial(create_trial(value=float(i), user_attrs={"run_dir": run_dir}))
+    study.add_trial(create_trial(value=100.0, user_attrs={"run_dir": str(rounds / "best")}))
+    before = sorted(str(p) for p in outside.rglob("*"))
+
+    deleted = prune_run_dirs(study, keep_rounds=0, rounds_dir=rounds)
+    assert sorted(deleted) == [rounds / "round-0003" / "link", rounds / "round-0005" / "merged"]
+    assert sorted(str(p) for p in outside.rglob("*")) == before and (outside / "merged" / "config.json").is_file()
+    assert (tmp_path / "runs").is_dir() and (rounds / "round-0004").is_symlink()
 
 
 def test_prune_run_dirs_keeps_the_parent_of_a_running_round_and_the_submissions_round(tmp_path):
@@ -205,10 +241,10 @@ def test_prune_run_dirs_keeps_the_parent_of_a_running_round_and_the_submissions_
         study.add_trial(create_trial(value=value, user_attrs={"run_dir": str(runs / name)}))
     child = study.ask()  # a round running from trial 1's merged weights
     child.set_user_attr("parent", 1)
-    deleted = prune_run_dirs(study, keep_rounds=0, keep={2})  # trial 2 is what this box's submission holds
+    deleted = prune_run_dirs(study, 0, runs, keep={2})  # trial 2 is what this box's submission holds
     assert [p.relative_to(runs).as_posix() for p in deleted] == ["neither/merged"]
     study.tell(child, 65.0)  # the child is done: its parent is an ordinary round again
-    assert sorted(p.relative_to(runs).as_posix() for p in prune_run_dirs(study, keep_rounds=0)) == [
+    assert sorted(p.relative_to(runs).as_posix() for p in prune_run_dirs(study, 0, runs)) == [
         "held/merged", "parent/merged"
     ]  # fmt: skip
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
+import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -222,14 +225,21 @@ def test_a_failed_promotion_keeps_the_previous_best_and_the_search_going(tmp_pat
     assert promoted == sorted(promoted)
 
 
-def test_only_trials_of_dead_workers_are_failed_as_orphans(tmp_path):
-    scheduler = scheduler_for(tmp_path, clock_offset=3 * 3600)  # no time left: it only sweeps, then returns
+def test_only_trials_of_dead_workers_are_failed_as_orphans(tmp_path, monkeypatch):
+    """At once: a worker on this host whose process is gone, or a scheduler of this process that stopped. Later: a
+    worker whose heartbeat has not moved for ORPHAN_AFTER_S of this worker's own time. A heartbeat that moves keeps
+    its trial alive whatever time it holds: another box's clock, or another --simulate run's virtual one, is never
+    compared with ours."""
+    elapsed = [0.0]
+    monkeypatch.setattr(scheduler_module, "_liveness_clock", lambda: elapsed[0])
+    scheduler = scheduler_for(tmp_path, clock_offset=3 * 3600)  # no time left: it only sweeps
     study, now = scheduler.study, scheduler.clock.now()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     workers = {
-        "live elsewhere": ("otherhost:1:aaaaaa", now - 30),
-        "stale elsewhere": ("otherhost:2:bbbbbb", now - 3600),
-        "dead here": (f"{socket.gethostname()}:{int(dead.stdout)}:cccccc", now - 1),
+        "live elsewhere": ("otherhost:1:aaaaaa", now + 10 * 3600),  # a clock hours ahead
+        "stale elsewhere": ("otherhost:2:bbbbbb", now),
+        "dead here": (f"{socket.gethostname()}:{int(dead.stdout)}:cccccc", now),
+        "stopped in this process": (f"{socket.gethostname()}:{os.getpid()}:dddddd", now),
     }
     numbers = {}
     for name, (worker, heartbeat) in workers.items():
@@ -237,14 +247,96 @@ def test_only_trials_of_dead_workers_are_failed_as_orphans(tmp_path):
         trial.set_user_attr("worker", worker)
         trial.set_user_attr("heartbeat", heartbeat)
         numbers[name] = trial.number
+
+    def states() -> dict[str, TrialState]:
+        trials = study.trials
+        return {name: trials[number].state for name, number in numbers.items()}
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        scheduler._sweep(now)
+    assert states() == {"live elsewhere": TrialState.RUNNING, "stale elsewhere": TrialState.RUNNING,
+                        "dead here": TrialState.FAIL, "stopped in this process": TrialState.FAIL}  # fmt: skip
+    live = study.trials[numbers["live elsewhere"]]
+    study._storage.set_trial_user_attr(live._trial_id, "heartbeat", now + 10 * 3600 + 60)  # it beats, by its clock
+    elapsed[0] = scheduler_module.ORPHAN_AFTER_S
+    with contextlib.redirect_stdout(out):
+        scheduler._sweep(now)
+    assert states()["live elsewhere"] == TrialState.RUNNING and states()["stale elsewhere"] == TrialState.FAIL
+    for name in ("stale elsewhere", "dead here", "stopped in this process"):
+        assert study.trials[numbers[name]].user_attrs["reason"] == "orphaned: the scheduler stopped during this round"
+    assert out.getvalue().count("orphaned") == 3
+
+
+def test_a_round_another_worker_finished_is_ended_and_the_search_goes_on(tmp_path):
+    """Another worker fails one of this worker's running trials (it took it for dead): that round is ended and logged,
+    the trial keeps the other worker's verdict, and this worker goes on with new rounds."""
+    scheduler = scheduler_for(tmp_path)
+    taken: list[int] = []
+
+    def other_worker_fails_a_running_trial(trial, outcome):
+        running = [r.trial for r in scheduler._running.values() if r.trial.number != trial.number]
+        if not taken and running:
+            other = optuna.trial.Trial(scheduler.study, running[0]._trial_id)
+            other.set_user_attr("reason", "orphaned: the scheduler stopped during this round")
+            scheduler.study.tell(running[0].number, state=TrialState.FAIL)
+            taken.append(running[0].number)
+
+    scheduler.on_round_end = other_worker_fails_a_running_trial
     output = run(scheduler)
-    trials = study.trials
-    assert trials[numbers["live elsewhere"]].state == TrialState.RUNNING  # another live scheduler's round
-    for name in ("stale elsewhere", "dead here"):
-        t = trials[numbers[name]]
-        assert t.state == TrialState.FAIL
-        assert t.user_attrs["reason"] == "orphaned: the scheduler stopped during this round"
-    assert output.count("orphaned") == 2
+    assert len(taken) == 1, "the hook never found a second running round"
+    [line] = [line for line in output.splitlines() if f"round {taken[0]} ended here" in line]
+    assert "another worker finished its trial (FAIL: orphaned: the scheduler stopped during this round)" in line
+    lost = scheduler.study.trials[taken[0]]
+    assert lost.state == TrialState.FAIL and "ended_at" not in lost.user_attrs  # its result was not recorded
+    assert max(t.number for t in ran(scheduler.study)) > taken[0] + 2  # the search went on
+    assert not [t for t in scheduler.study.trials if t.state == TrialState.RUNNING]
+    assert output.splitlines()[-1].startswith("[search") and "search over: no time left" in output.splitlines()[-1]
+
+
+def test_the_heartbeat_goes_on_while_a_promotion_blocks_the_loop(tmp_path, monkeypatch):
+    monkeypatch.setattr(scheduler_module, "HEARTBEAT_S", 0.05)
+    beats: list[tuple[object, object]] = []
+
+    def slow_promotion(outcome, trial):
+        stored = lambda: scheduler.study._storage.get_trial(trial._trial_id).user_attrs.get("heartbeat")  # noqa: E731
+        first = stored()
+        deadline = time.monotonic() + 30  # a guard against a heartbeat that never comes, not a measurement
+        while stored() == first and time.monotonic() < deadline:
+            time.sleep(0.01)
+        beats.append((first, stored()))
+        return True
+
+    scheduler = scheduler_for(tmp_path, gpus=0, promote=slow_promotion, hours=1.5)
+    run(scheduler)
+    assert beats and all(first != later for first, later in beats), beats
+
+
+def test_an_orphans_processes_are_reaped_only_inside_the_studys_rounds_folder(tmp_path):
+    """A dead worker's trial records a run_dir outside runs_dir/<study>: its processes.jsonl (which anyone who can
+    write the storage can point anywhere) is not read, the process it names lives on, and the trial is still failed."""
+    from search.local_backend import LocalBackend
+
+    scheduler = scheduler_for(tmp_path, clock_offset=3 * 3600)
+    scheduler.backend = LocalBackend(scheduler.settings)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        start = Path(f"/proc/{victim.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        (outside / "processes.jsonl").write_text(json.dumps({"pgid": victim.pid, "start": int(start),
+                                                             "host": socket.gethostname()}) + "\n")  # fmt: skip
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        trial = scheduler.study.ask()
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{int(dead.stdout)}:eeeeee")
+        trial.set_user_attr("run_dir", str(Path(scheduler.settings.rounds_dir) / ".." / ".." / "outside"))
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            scheduler._sweep(scheduler.clock.now())
+        assert victim.poll() is None  # alive
+        assert scheduler.study.trials[trial.number].state == TrialState.FAIL
+        assert "could not end its processes: OSError" in out.getvalue() and "is not inside" in out.getvalue()
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 def test_an_exception_kills_the_running_rounds_and_records_why(tmp_path):

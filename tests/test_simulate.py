@@ -271,3 +271,15 @@ def test_a_killed_search_resumes_on_the_same_storage(tmp_path, monkeypatch):
     assert restart.now() <= deadline - 60 * settings.reserve_minutes + POLL_S
     assert all(value > best_before for _, value in recorder.promoted)  # the earlier best still counts
     assert second.duration.n_observed >= len([s for s, _ in before.values() if s != TrialState.FAIL])
+
+
+def test_two_simulated_workers_share_one_journal_study(tmp_path):
+    """Two `run_search.py --simulate` processes on one study, each on its own virtual clock: both exit 0, no trial
+    number twice, nothing left RUNNING, each warm start run once, no live trial taken for an orphan.
+    bench/simulate_workers.py runs this ten times (bench/results/)."""
+    from bench.simulate_workers import run_once
+
+    result = run_once(tmp_path, hours=3)
+    assert result["ok"], result
+    assert result["orphaned"] == 0 and result["rounds_ended_by_another_worker"] == 0
+    assert len(result["rounds_per_worker"]) == 2  # both ran rounds

@@ -136,7 +136,7 @@ def test_warm_start_translation():
     assert warm_start_params({}, space) == {}  # a recipe may leave options out; they are sampled
     with pytest.raises(SpaceError, match="^learning_rate: needs lora_rank"):
         warm_start_params({"learning_rate": 1e-5}, space)
-    with pytest.raises(SpaceError, match="^beta: must be a finite number"):
+    with pytest.raises(SpaceError, match="^beta: must be a number, got 'small'"):
         warm_start_params({"beta": "small"}, space)
     with pytest.raises(SpaceError, match=r"^beta: -0.1 is outside space.beta"):
         warm_start_params({"beta": -0.1}, space)

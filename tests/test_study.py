@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import shutil
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import optuna
 import pytest
 
+from search import study as study_module
 from search.plots import plot_round, upload_plot
 from search.settings import load_settings
 from search.study import DEADLINE_ATTR, StudyError, load_existing_study, make_sampler, open_study
@@ -154,3 +157,107 @@ def test_a_rounds_plot_is_attached_to_its_trial(tmp_path):
     metas = optuna.artifacts.get_all_artifact_meta(study.trials[0], storage=study._storage)
     assert [(m.artifact_id, m.filename) for m in metas] == [(artifact_id, "round-0000.png")]
     assert optuna.artifacts.get_all_artifact_meta(study) == []
+
+
+# ---------------------------------------------------------------------------------------------------------- set-up
+class Killed(BaseException):
+    """A kill -9 at that point: nothing after it runs (BaseException, so that no `except Exception` sees it)."""
+
+
+@pytest.mark.parametrize(
+    "killed_at", ["enqueue:1", "enqueue:2", "enqueue:3", "set_user_attr:hours", "set_user_attr:deadline"]
+)
+def test_a_set_up_killed_at_any_point_is_finished_by_the_next_run(settings, monkeypatch, killed_at):
+    """Created, then killed before round 0 is queued, before either warm start, before `hours` or before the deadline:
+    the same command again finishes the set-up (deadline from its own start) and round 0 and every warm start are
+    queued once, in that order."""
+    monkeypatch.setattr(study_module, "DEADLINE_WAIT_S", 0.0)
+    method, _, when = killed_at.partition(":")
+    calls = []
+    original = {"enqueue": optuna.Study.enqueue_trial, "set_user_attr": optuna.Study.set_user_attr}
+
+    def kill_at(self, *args, **kwargs):
+        calls.append(args[0])
+        if (method == "enqueue" and len(calls) == int(when)) or (method == "set_user_attr" and args[0] == when):
+            raise Killed
+        return original[method](self, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.Study, {"enqueue": "enqueue_trial", "set_user_attr": "set_user_attr"}[method], kill_at)
+    with pytest.raises(Killed):
+        open_study(settings, now=1000.0)
+    monkeypatch.undo()
+    study, deadline = open_study(settings, now=5000.0)
+    assert deadline == 5000.0 + 7.5 * 3600 == study.user_attrs[DEADLINE_ATTR]
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert [t.user_attrs["recipe"] for t in waiting] == ["base", "strong", "baseline"] and len(study.trials) == 3
+    again, kept = open_study(settings, now=9000.0)
+    assert kept == deadline and len(again.trials) == 3
+
+
+def test_two_workers_finishing_one_set_up_run_each_warm_start_once(settings, monkeypatch):
+    """Both enqueued round 0 and the missing warm starts before either stored the deadline: the second copies are
+    failed before anyone asks for a trial."""
+    monkeypatch.setattr(study_module, "DEADLINE_WAIT_S", 0.0)
+    storage = study_module.open_storage(settings.storage)
+    study = optuna.create_study(storage=storage, study_name=settings.study_name, direction="maximize")
+    for name in ("base", "base", "strong", "strong", "baseline", "baseline"):
+        recipe = next((w["params"] for w in settings.warm_starts if w["name"] == name), {})
+        study.enqueue_trial(study_module.space.warm_start_params(recipe, settings.space), user_attrs={"recipe": name})
+    study, _ = open_study(settings, now=0.0)
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert [(t.number, t.user_attrs["recipe"]) for t in waiting] == [(0, "base"), (2, "strong"), (4, "baseline")]
+    failed = study.get_trials(states=(optuna.trial.TrialState.FAIL,))
+    assert [t.user_attrs["reason"] for t in failed] == [f"a second copy of the queued {name!r} trial"
+                                                        for name in ("base", "strong", "baseline")]  # fmt: skip
+
+
+def test_a_killed_writer_leaves_no_lock_behind(settings, tmp_path, monkeypatch):
+    """The journal's lock is a flock on the journal itself: the kernel drops it with its holder, and there is no lock
+    file to wait out (Optuna's default symlink lock makes the next writer wait 30 s)."""
+    open_study(settings, now=0.0)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[2]); from search.study import "
+         "JournalFileFlock; JournalFileFlock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(120)",
+         settings.storage, str(BUDGET.parent)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with open(settings.storage, "rb") as journal:
+            with pytest.raises(BlockingIOError):  # the lock is real while its holder lives
+                fcntl.flock(journal, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        holder.kill()
+        holder.wait()
+    with open(settings.storage, "rb") as journal:
+        fcntl.flock(journal, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free at once: no grace period
+        fcntl.flock(journal, fcntl.LOCK_UN)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.db"]
+    # A lock file an older writer left (Optuna's symlink) is not waited for: a write that would sleep fails here.
+    Path(settings.storage + ".lock").symlink_to(settings.storage)
+    monkeypatch.setattr("optuna.storages.journal._file.time.sleep", lambda s: pytest.fail("waited for a lock file"))
+    study, _ = open_study(settings, now=0.0)
+    study.set_user_attr("written", True)
+    assert study.user_attrs["written"] is True
+
+
+def test_a_sampler_seed_near_the_top_still_resumes(settings):
+    sampler = make_sampler({"type": "tpe", "seed": 2**32 - 1}, offset=5)
+    assert isinstance(sampler, optuna.samplers.TPESampler)
+
+
+@pytest.mark.parametrize(
+    "url, secret",
+    [
+        ("postgresql://search:hunter2secret@db:5432/optuna", "hunter2secret"),
+        ("postgresql://search@db/optuna?password=hunter2secret", "hunter2secret"),
+        ("postgresql://search@db/optuna?sslmode=require&password=hunter2secret&x=1", "hunter2secret"),
+        ("postgresql://search:hunter2%40secret@db/optuna", "hunter2%40secret"),
+        ("mysql+pymysql://root:hunter2:secret@db/optuna", "hunter2:secret"),
+    ],
+)
+def test_passwords_are_redacted_whatever_the_url_looks_like(url, secret):
+    line = f"storage: cannot open {url}: the server said {secret} and {urllib.parse.unquote(secret)}"
+    redacted = study_module.redact(line, url)
+    assert secret not in redacted and urllib.parse.unquote(secret) not in redacted and "***" in redacted
+    assert "db" in redacted  # the host stays: the message still says which database

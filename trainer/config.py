@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from trainer import validation
+from trainer.validation import InvalidValue, show
 
 PHRASINGS = ("eval", "inherited", "mix")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
@@ -24,12 +26,8 @@ MIN_PIXELS = 4 * 28 * 28
 MAX_PIXELS = 16384 * 28 * 28
 
 
-class ConfigError(ValueError):
-    """A configuration value is out of range; the message starts with the field's name."""
-
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name
-        super().__init__(f"{field_name}: {message}")
+class ConfigError(InvalidValue):
+    """A configuration value of the wrong type or out of range; `key` is the field's name."""
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
@@ -119,8 +117,9 @@ class TrialConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         for name in ("model_path", "train_path", "output_dir"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ConfigError(name, "must be a non-empty path")
+            validation.text(name, getattr(self, name), error=ConfigError)
+        if self.ood_path is not None:
+            validation.text("ood_path", self.ood_path, error=ConfigError)
         _int_range("steps", self.steps, 1, 1_000_000)
         _num_range("learning_rate", self.learning_rate, 0.0, 1e-2, low_open=True)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
@@ -138,20 +137,20 @@ class TrialConfig:
         _int_range("max_completion_length", self.max_completion_length, 8, 2048)
         _int_range("max_pixels", self.max_pixels, MIN_PIXELS, MAX_PIXELS)
         _choice("phrasing", self.phrasing, PHRASINGS)
-        if not isinstance(self.compile_rollouts, bool):
-            raise ConfigError("compile_rollouts", f"must be true or false, got {self.compile_rollouts!r}")
-        if not isinstance(self.train_vision_tower, bool):
-            raise ConfigError("train_vision_tower", f"must be true or false, got {self.train_vision_tower!r}")
+        validation.boolean("compile_rollouts", self.compile_rollouts, error=ConfigError)
+        validation.boolean("train_vision_tower", self.train_vision_tower, error=ConfigError)
         if self.gradient_checkpointing is not None and not isinstance(self.gradient_checkpointing, bool):
             raise ConfigError(
-                "gradient_checkpointing", f"must be true, false or null, got {self.gradient_checkpointing!r}"
+                "gradient_checkpointing", f"must be true, false or null, got {show(self.gradient_checkpointing)}"
             )
         _int_range("lora_rank", self.lora_rank, 0, 1024)
         if self.lora_alpha is not None:
             _num_range("lora_alpha", self.lora_alpha, 0.0, 1e6, low_open=True)
         _num_range("lora_dropout", self.lora_dropout, 0.0, 1.0, high_open=True)
-        if not self.lora_targets or not all(isinstance(t, str) and t for t in self.lora_targets):
-            raise ConfigError("lora_targets", "must be a non-empty list of module names")
+        targets = self.lora_targets
+        # A string is refused although it iterates: "q_proj" would be the targets q, _, p, r, o, j.
+        if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ConfigError("lora_targets", f"must be a non-empty list of module names, got {show(targets)}")
         _int_range("eval_every", self.eval_every, 0, 1_000_000)
         _int_range("eval_rows", self.eval_rows, 1, 1_000_000)
         if self.eval_every > 0 and not self.ood_path:
@@ -165,13 +164,14 @@ class TrialConfig:
     def _validate_rewards(self) -> None:
         from trainer.rewards import REWARDS  # late: rewards import the evaluator's protocol, not this module
 
-        if not isinstance(self.reward_weights, dict) or not self.reward_weights:
-            raise ConfigError("reward_weights", "must map at least one reward name to a weight")
-        for name, weight in self.reward_weights.items():
+        weights = self.reward_weights
+        if not isinstance(weights, dict) or not weights:
+            raise ConfigError("reward_weights", f"must map at least one reward name to a weight, got {show(weights)}")
+        for name, weight in weights.items():
             if name not in REWARDS:
-                raise ConfigError("reward_weights", f"unknown reward {name!r}; known: {sorted(REWARDS)}")
+                raise ConfigError("reward_weights", f"unknown reward {show(name)}; known: {sorted(REWARDS)}")
             _num_range(f"reward_weights.{name}", weight, 0.0, 1e3)
-        if sum(self.reward_weights.values()) <= 0:
+        if sum(weights.values()) <= 0:
             raise ConfigError("reward_weights", "at least one weight must be > 0")
 
     # ------------------------------------------------------------------ derived
@@ -197,10 +197,11 @@ class TrialConfig:
     def from_dict(cls, data: dict[str, Any]) -> "TrialConfig":
         if not isinstance(data, dict):
             raise ConfigError("config", f"must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = validation.unknown_keys(data, known)
         if unknown:
-            raise ConfigError(unknown[0], f"unknown option; known options: {sorted(known)}")
+            name = unknown[0]
+            raise ConfigError(validation.show_key(name), f"unknown option{validation.did_you_mean(name, known)}")
         required = [
             f.name
             for f in dataclasses.fields(cls)
@@ -218,7 +219,7 @@ class TrialConfig:
     def from_json(cls, path: str | Path) -> "TrialConfig":
         try:
             data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError("config", f"{path} is not valid JSON: {exc}") from exc
         return cls.from_dict(data)
 
@@ -231,28 +232,15 @@ def describe_fields() -> dict[str, str]:
     return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(TrialConfig)}
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _int_range(name: str, value: Any, low: int, high: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(name, f"must be an integer, got {value!r}")
-    if not low <= value <= high:
-        raise ConfigError(name, f"must be in [{low}, {high}], got {value}")
+    validation.integer(name, value, low=low, high=high, error=ConfigError)
 
 
 def _num_range(
     name: str, value: Any, low: float, high: float, low_open: bool = False, high_open: bool = False
 ) -> None:
-    if not _is_number(value):
-        raise ConfigError(name, f"must be a finite number, got {value!r}")
-    too_low = value <= low if low_open else value < low
-    too_high = value >= high if high_open else value > high
-    if too_low or too_high:
-        raise ConfigError(name, f"must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}, got {value}")
+    validation.number(name, value, low=low, high=high, low_open=low_open, high_open=high_open, error=ConfigError)
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(name, f"must be one of {list(choices)}, got {value!r}")
+    validation.one_of(name, value, choices, error=ConfigError)

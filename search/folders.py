@@ -1,0 +1,54 @@
+"""Where a study's rounds live on disk, and the one test of whether a path is in there.
+
+Each study keeps its round folders in `runs_dir/<study folder>`. The search deletes (old rounds' weights) and kills
+(an orphaned round's processes) only there; a trial's recorded `run_dir` is storage content, which anyone who can
+write to a shared database controls, so it is checked against that folder before it is acted on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+
+# A study name used as a folder name as it is: letters, digits, dot, dash and underscore, not starting with a dot.
+_PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
+
+
+def study_folder(study_name: str) -> str:
+    """A folder name for `study_name`: the name itself when it is plain, else its plain characters and a digest of the
+    whole name (so that "a/b" and "a:b" never share a folder). Never empty, ".", ".." nor anything with a slash."""
+    if _PLAIN.fullmatch(study_name):
+        return study_name
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", study_name).strip(".-")[:60] or "study"
+    return f"{stem}-{hashlib.sha256(study_name.encode()).hexdigest()[:10]}"
+
+
+def inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
+    """Whether `path` is strictly below `root` once symlinks and `..` are resolved (False for anything not a path)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    try:
+        real, base = os.path.realpath(path), os.path.realpath(root)
+    except (OSError, ValueError):  # a NUL byte, a loop of symlinks
+        return False
+    return real != base and os.path.commonpath([real, base]) == base
+
+
+def unwritable(folder: Path, *, must_exist: bool) -> str | None:
+    """What stops the search from writing in `folder` (a folder it creates when `must_exist` is False: then its
+    nearest existing ancestor must take it), or None. Writes nothing that outlives the check."""
+    probe = folder
+    if not must_exist:
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} {'does not exist' if not probe.exists() else 'is not a folder'}"
+    try:  # a real write: os.access says yes to root even where writes fail (read-only mounts aside)
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        return f"{probe} is not writable: {exc.strerror}"
+    return None
