@@ -11,7 +11,8 @@ cheaper variants that lost the effect (CPU, teach seed 0, n 200): bench/results/
 Margins: the image round's gain must reach MIN_GAIN with its paired 95% interval above 0, the blank round's stay at
 or below MAX_BLANK_GAIN, and the image round beat it by MIN_GAP, on each held-out split. Noise is the paired
 interval (half width ~8 points at n 200) and what a round gains without the image (+0.0 in every blank run so far).
-The measured image gains of `learning_round` (GRPO seeds 0 1 2: see the results file) clear them by 10 points or more.
+Measured with `learning_round`, GRPO seeds 0 and 1: image +23.0 / +16.0 and +23.0 / +16.5 (compositional / other,
+intervals from +7.6 up), blank +0.0 / +0.0; the smallest image gain clears the margins by 11 points.
 
 What this does not show: that a round improves every taught model. DEMO_RECIPE taught with seeds 1 and 2 (H200)
 starts far higher and one round barely moves it (bench/learning.py); the test pins teach seed 0.
