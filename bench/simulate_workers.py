@@ -1,6 +1,6 @@
 """Two `run_search.py --simulate` workers started together on one Journal study, several times: both must exit 0, the
 trial numbers be unique and gap-free, no trial be left RUNNING or WAITING, and every warm start have run exactly
-once. One JSON line per run, and a summary line.
+once (round 0, which scores the base model, too). One JSON line per run, and a summary line.
 
     python bench/simulate_workers.py --runs 10 --out bench/results/<date>-simulate-two-workers.jsonl
 
@@ -53,7 +53,8 @@ def run_once(folder: Path, *, hours: float = 7.5, timeout_s: float = 600) -> dic
     trials = study.trials
     numbers = [t.number for t in trials]
     recipes = collections.Counter(t.user_attrs.get("recipe") for t in trials)
-    warm_starts = [w["name"] for w in yaml.safe_load((ROOT / "budget.yaml").read_text())["warm_starts"]]
+    # Round 0 (the base model scored) is queued like a warm start: it too runs once, on whichever worker asks first.
+    warm_starts = ["base"] + [w["name"] for w in yaml.safe_load((ROOT / "budget.yaml").read_text())["warm_starts"]]
     ran_once = {name: sum(t.user_attrs.get("recipe") == name and "started_at" in t.user_attrs for t in trials) == 1
                 for name in warm_starts}  # fmt: skip
     stderr = "".join(err for _, err in outputs)
