@@ -93,13 +93,15 @@ def check_nothing_lost(storage: str, result: dict) -> dict:
     numbers = [t.number for t in trials]
     assert numbers == list(range(len(trials))) and len(set(numbers)) == len(numbers)  # unique, no gaps
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
-    assert [t.user_attrs.get("recipe") for t in trials[:2]] == ["strong", "baseline"]  # enqueued once, run once
+    # Round 0 and the warm starts were enqueued once and run once.
+    assert [t.user_attrs.get("recipe") for t in trials[:3]] == ["base", "strong", "baseline"]
+    assert [t.user_attrs.get("recipe") for t in trials].count("base") == 1 and trials[0].state == TrialState.COMPLETE
     ledger = result["ledger"]
     # Every round ran once: one trainer start per round folder, and each is a trial of this study, run by the
     # worker that the trial names.
     starts = Counter(entry["run_dir"] for entry in ledger)
     assert starts and max(starts.values()) == 1, [d for d, n in starts.items() if n > 1]
-    ran = {t.user_attrs["run_dir"]: t for t in trials if "started_at" in t.user_attrs}
+    ran = {t.user_attrs["run_dir"]: t for t in trials if "started_at" in t.user_attrs and t.number > 0}
     assert set(starts) == set(ran)
     for entry in ledger:
         assert ran[entry["run_dir"]].user_attrs["worker"].split(":")[1] == str(entry["ppid"])
