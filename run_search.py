@@ -190,7 +190,7 @@ class _RoundPlot:
 
         try:
             run_dir = Path(trial.user_attrs["run_dir"])
-            png = plot_round(run_dir / "progress.jsonl", run_dir / f"round-{trial.number:04d}.png",
+            png = plot_round(run_dir, run_dir / f"round-{trial.number:04d}.png",
                              title=f"round {trial.number}: {outcome.state}")  # fmt: skip
             if png is not None:
                 upload_plot(trial, png, artifact_dir(self.settings.storage))

@@ -37,6 +37,7 @@ from synthetic.splits import write_split
 from trainer.config import TrialConfig
 from trainer.rollout import ReplicaGRPOTrainer, RolloutReplica
 from trainer.round import run_round
+from trainer.run_folder import read_progress
 
 TOP_LEVEL = ("generate_and_score", "loss_forward", "backward", "optimizer")  # disjoint: they add up with `other`
 
@@ -94,7 +95,7 @@ def profile_round(config: TrialConfig) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     with timed_phases(clock):
         result = run_round(config)
-    lines = [json.loads(line) for line in (Path(config.output_dir) / "progress.jsonl").read_text().splitlines()]
+    lines = read_progress(config.output_dir)
     first_rollout = clock.seconds["rollout"][0] if clock.seconds["rollout"] else 0.0
     # Steady state: every phase's seconds after the first generation batch (which compiles), per optimizer step.
     steps_after = len(lines) - config.generation_steps

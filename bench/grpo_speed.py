@@ -13,7 +13,6 @@ reported: `timings.setup`, and the first generation's seconds).
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from synthetic.splits import write_split
 from trainer.config import TrialConfig
 from trainer.data import build_train_dataset
 from trainer.round import _lora_config, run_round
+from trainer.run_folder import read_progress
 from trainer.rewards import build_reward_funcs
 
 
@@ -97,7 +97,7 @@ def trl_defaults(config: TrialConfig, steps: int) -> dict:
 def ours(config: TrialConfig) -> dict:
     reset_peak()
     result = run_round(config)
-    lines = [json.loads(line) for line in (Path(config.output_dir) / "progress.jsonl").read_text().splitlines()]
+    lines = read_progress(config.output_dir)
     ends = [line["seconds"] for line in lines]
     seconds = steady_seconds_per_step(ends, skip=config.generation_steps)
     return {

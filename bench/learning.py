@@ -342,12 +342,12 @@ def grpo_round(setup: Setup, arm: str, recipe: RoundRecipe) -> tuple[Path, float
     """One round of the project's trainer with the accuracy reward on the arm's train split; returns its merged model
     folder and its training seconds per optimizer step (a finished round is reused)."""
     from trainer.config import TrialConfig
-    from trainer.round import MERGED_DIR, run_round
-    from trainer.status import STATUS_FILE
+    from trainer.round import run_round
+    from trainer.run_folder import MERGED_DIR, RoundState, read_status
 
     out = setup.round_dir(arm, recipe)
     merged = out / MERGED_DIR
-    if not ((merged / "config.json").is_file() and (out / STATUS_FILE).is_file()):
+    if not ((merged / "config.json").is_file() and read_status(out) is not None):
         width, height = setup.teach.image_size
         config = TrialConfig(
             model_path=str(setup.model),
@@ -372,10 +372,10 @@ def grpo_round(setup: Setup, arm: str, recipe: RoundRecipe) -> tuple[Path, float
             seed=recipe.seed,
         )
         result = run_round(config)
-        if result.state != "completed":
+        if result.state != RoundState.COMPLETED:
             raise RuntimeError(f"round in {out} {result.state}: {result.reason}")
-    status = json.loads((out / STATUS_FILE).read_text())
-    return merged, status["timings"]["train"] / status["steps_done"]
+    status = read_status(out)
+    return merged, status.timings["train"] / status.steps_done
 
 
 # ---------------------------------------------------------------------------------------------------- experiment

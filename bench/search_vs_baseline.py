@@ -86,7 +86,7 @@ def run_search(budget: Path, hours: float) -> None:
 def arms(settings, study) -> dict[str, Path]:
     """The model folders compared: the taught base, the promoted model, the baseline round's merged model."""
     from search.promotion import promoted
-    from trainer.round import MERGED_DIR
+    from trainer.run_folder import MERGED_DIR
 
     marker = promoted(settings.submission_path)
     if marker is None:

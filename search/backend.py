@@ -11,9 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from trainer.config import TrialConfig
-
-# Phases a round goes through, as `RoundHandle.phase()` names them.
-TRAINING, EVALUATING, DONE = "training", "evaluating", "done"
+from trainer.run_folder import FailureKind, Phase, RoundState
 
 # Keys of `RoundOutcome.timings`, all measured wall-clock seconds. `DurationModel.observe` fits on these.
 #   setup: launch of the trainer process until its first step (imports and model loading included),
@@ -26,7 +24,7 @@ TIMING_KEYS = ("setup", "train", "save", "eval")
 
 @dataclass
 class RoundOutcome:
-    state: str  # "completed" | "stopped" | "failed" | "pruned"
+    state: RoundState
     reason: str | None
     ood_accuracy: float | None  # the objective: the OOD report's accuracy_pct
     val_accuracy: float | None  # the health check on a val subset
@@ -38,14 +36,15 @@ class RoundOutcome:
     # The OOD report's `per_row` (split index, gold and extracted answer of every scored row): paired comparisons
     # between rounds, and the answers a promoted copy of the model must give again (search.verification).
     ood_rows: dict | None = None
+    failure: FailureKind | None = None  # why a FAILED round failed
 
 
 class RoundHandle(Protocol):
     def progress(self) -> list[dict]:
         """New complete progress.jsonl lines since the last call."""
 
-    def phase(self) -> str:
-        """TRAINING, EVALUATING or DONE (the scheduler's hang check watches only training)."""
+    def phase(self) -> Phase:
+        """Where the round is."""
 
     def done(self) -> bool:
         """True once training and evaluation are over (or the round was killed); advances the round."""
@@ -67,7 +66,7 @@ class Backend(Protocol):
 
     def score(self, model_dir: str, run_dir: str, gpus: list[int]) -> RoundHandle:
         """Start a round without training: the evaluations of the model in `model_dir` (the base model, round 0),
-        reported in `run_dir`; its outcome is "completed" with 0 steps and `merged_dir` = `model_dir`."""
+        reported in `run_dir`; its outcome is COMPLETED with 0 steps and `merged_dir` = `model_dir`."""
 
     def has_weights(self, merged_dir: str) -> bool:
         """Whether a round's merged model is still there to start another round from."""

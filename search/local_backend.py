@@ -1,10 +1,8 @@
-"""Rounds as processes on this machine: the trainer, then the evaluator on the same GPUs.
-
-A round's folder (`config.output_dir`) ends up holding trial.json, train.log, progress.jsonl, status.json, merged/,
-eval.log, ood_eval.json and val_eval.json. Each process runs in its own session (process group) with
-CUDA_VISIBLE_DEVICES set to the round's GPUs, so rounds side by side never share a GPU and a kill reaches every
-child (accelerate's workers, dataloader workers). Nothing blocks except `kill`, which waits at most
-`kill_grace_s` for the trainer to exit on SIGTERM.
+"""Rounds as processes on this machine: the trainer, then the evaluator on the same GPUs, in the round's folder
+(trainer.run_folder). Each process runs in its own session (process group) with CUDA_VISIBLE_DEVICES set to the
+round's GPUs, so rounds side by side never share a GPU and a kill reaches every child (accelerate's workers,
+dataloader workers). Nothing blocks except `kill`, which waits at most `kill_grace_s` for the trainer to exit on
+SIGTERM.
 """
 
 from __future__ import annotations
@@ -19,15 +17,29 @@ import sys
 import time
 from pathlib import Path
 
-from search.backend import DONE, EVALUATING, TRAINING, RoundOutcome
+from search.backend import RoundOutcome
 from search.folders import inside
 from trainer.config import TrialConfig
+from trainer.run_folder import (
+    EVAL_LOG,
+    MERGED_DIR,
+    PROCESSES_FILE,
+    PROGRESS_FILE,
+    STATUS_FILE,
+    STOP_FILE,
+    TRAIN_LOG,
+    TRIAL_FILE,
+    FailureKind,
+    Phase,
+    ProgressReader,
+    RoundState,
+    Status,
+    eval_report,
+    read_report,
+    read_status,
+)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-# Every process group a round spawned (the trainer, then each evaluation), one JSON line each: {"pgid", "start",
-# "host"}. Rounds run in their own sessions, so a scheduler killed with SIGKILL leaves them running; the next
-# scheduler on this host reads this file when it fails the orphaned trial and kills what is left (`reap_orphan`).
-PROCESSES_FILE = "processes.jsonl"
 _PR_SET_PDEATHSIG = 1
 try:
     _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the child only calls into it
@@ -47,7 +59,7 @@ class LocalBackend:
 
     def start(self, config: TrialConfig, gpus: list[int]) -> "LocalRound":
         run_dir = _fresh_run_dir(config.output_dir)
-        config.to_json(run_dir / "trial.json")
+        config.to_json(run_dir / TRIAL_FILE)
         return LocalRound(self, run_dir, gpus)
 
     def score(self, model_dir: str, run_dir: str, gpus: list[int]) -> "LocalRound":
@@ -88,13 +100,13 @@ class LocalBackend:
         common = ["--batch-size", str(s.eval_batch_size)] if s.eval_batch_size else []
         if not s.eval_static_cache:
             common.append("--dynamic-cache")
-        ood = [*self.evaluator_command, str(merged), s.ood_val_path, "--out", str(run_dir / "ood_eval.json")]
+        ood = [*self.evaluator_command, str(merged), s.ood_val_path, "--out", str(run_dir / eval_report("ood"))]
         if s.ood_rows:
             ood += ["--limit", str(s.ood_rows), "--seed", str(s.seed)]
         commands = [("ood", ood + common)]
         if s.val_rows:
             val = [*self.evaluator_command, str(merged), s.val_path, "--limit", str(s.val_rows), "--seed", str(s.seed)]
-            commands.append(("val", val + ["--out", str(run_dir / "val_eval.json")] + common))
+            commands.append(("val", val + ["--out", str(run_dir / eval_report("val"))] + common))
         return commands
 
 
@@ -110,12 +122,13 @@ class LocalRound:
         self._env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
         if backend.threads_per_round is not None:
             self._env["OMP_NUM_THREADS"] = str(backend.threads_per_round)
-        self._phase = TRAINING
+        self._phase = Phase.TRAINING
         self._evaluate = True
-        self._offset = 0  # bytes of progress.jsonl already returned
-        self._state: str | None = None
+        self._progress = ProgressReader(run_dir)
+        self._state: RoundState | None = None
         self._reason: str | None = None
-        self._status: dict = {}
+        self._failure: FailureKind | None = None
+        self._status: Status | None = None
         self._reports: dict[str, dict] = {}
         self._eval_seconds: float | None = None  # once every evaluation is over
         self._eval_so_far = 0.0
@@ -123,60 +136,43 @@ class LocalRound:
         self._pending_evals: list[tuple[str, list[str]]] = []
         self._current_eval: str | None = None
         self._train_seconds: float | None = None
-        self._model_dir = model_dir or run_dir / "merged"
+        self._model_dir = model_dir or run_dir / MERGED_DIR
         if model_dir is not None:
-            self._state = "completed"
+            self._state = RoundState.COMPLETED
             self._start_evaluations()
         else:
-            command = backend.train_command(gpus, run_dir / "trial.json")
-            self._proc, self._started = self._spawn(command, run_dir / "train.log")
+            command = backend.train_command(gpus, run_dir / TRIAL_FILE)
+            self._proc, self._started = self._spawn(command, run_dir / TRAIN_LOG)
 
     # ------------------------------------------------------------------ RoundHandle
     def progress(self) -> list[dict]:
-        path = self.run_dir / "progress.jsonl"
-        try:
-            with path.open("rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next call
-        self._offset += len(complete)
-        lines = []
-        for raw in complete.splitlines():
-            try:
-                line = json.loads(raw)
-            except json.JSONDecodeError:
-                continue  # a torn write cannot be repaired; the next line carries the same fields
-            if isinstance(line, dict):
-                lines.append(line)
-        return lines
+        return self._progress.new_lines()
 
-    def phase(self) -> str:
+    def phase(self) -> Phase:
         return self._phase
 
     def done(self) -> bool:
-        if self._phase == DONE:
+        if self._phase == Phase.DONE:
             return True
         if self._proc.poll() is None:
             return False
         seconds = time.monotonic() - self._started
         _kill_group(self._proc.pid, signal.SIGKILL)  # stragglers the leader left behind would hold GPU memory
-        if self._phase == TRAINING:
+        if self._phase == Phase.TRAINING:
             self._train_seconds = seconds
             self._after_training(self._proc.returncode)
         else:
             self._eval_so_far += seconds
             self._after_evaluation(self._proc.returncode)
-        return self._phase == DONE
+        return self._phase == Phase.DONE
 
     def request_stop(self, *, evaluate: bool = True) -> None:
         self._evaluate = self._evaluate and evaluate
-        if self._phase == TRAINING:
-            (self.run_dir / "STOP").touch()
+        if self._phase == Phase.TRAINING:
+            (self.run_dir / STOP_FILE).touch()
 
     def kill(self) -> None:
-        if self._phase == DONE:
+        if self._phase == Phase.DONE:
             return
         if self._proc.poll() is None:
             _kill_group(self._proc.pid, signal.SIGTERM)
@@ -186,12 +182,12 @@ class LocalRound:
                 pass
         _kill_group(self._proc.pid, signal.SIGKILL)
         self._proc.wait()
-        if self._phase == EVALUATING:  # what it took so far still tells the DurationModel it is at least that slow
+        if self._phase == Phase.EVALUATING:  # what it took so far: the DurationModel learns it is at least that slow
             self._eval_cut = self._eval_so_far + time.monotonic() - self._started
-        self._finish("failed", f"killed while {self._phase}")
+        self._fail(f"killed while {self._phase}")
 
     def outcome(self) -> RoundOutcome:
-        if self._phase != DONE:
+        if self._phase != Phase.DONE:
             raise RuntimeError(f"{self.run_dir}: outcome() before done()")
         ood, val = self._reports.get("ood", {}), self._reports.get("val", {})
         return RoundOutcome(
@@ -201,10 +197,11 @@ class LocalRound:
             val_accuracy=val.get("accuracy_pct"),
             format_rate=ood.get("format_rate"),
             mean_completion_tokens=ood.get("mean_completion_tokens"),
-            steps_done=int(self._status.get("steps_done") or 0),
+            steps_done=self._status.steps_done if self._status else 0,
             timings=self._timings(),
-            merged_dir=str(self._model_dir) if self._state in ("completed", "stopped") else None,
+            merged_dir=str(self._model_dir) if self._state.saved else None,
             ood_rows=ood.get("per_row"),
+            failure=self._failure,
         )
 
     # ------------------------------------------------------------------ the round's course
@@ -218,36 +215,37 @@ class LocalRound:
         return proc, time.monotonic()
 
     def _after_training(self, returncode: int) -> None:
-        self._status = _read_json(self.run_dir / "status.json") or {}
-        state = self._status.get("state")
-        if returncode != 0 or state not in ("completed", "stopped"):
-            reason = self._status.get("reason") if state == "failed" else None
-            log = _last_line(self.run_dir / "train.log")
+        status = self._status = read_status(self.run_dir)
+        if returncode != 0 or status is None or not status.state.saved:
+            failed = status is not None and status.state == RoundState.FAILED
+            reason = status.reason if failed else None
+            log = _last_line(self.run_dir / TRAIN_LOG)
             if reason is None and returncode < 0:  # no status: killed by a signal (SIGKILL: often the OOM killer)
                 name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else -returncode
                 reason = f"the trainer was killed by {name}" + (" (the kernel's out-of-memory killer sends it)"
                                                                  if returncode == -signal.SIGKILL else "")
                 reason += f": {log}"
-            self._finish("failed", reason or f"the trainer exited with code {returncode}: {log}")
+            self._fail(reason or f"the trainer exited with code {returncode}: {log}",
+                       status.kind if failed else FailureKind.ERROR)  # fmt: skip
         elif not (self._model_dir / "config.json").is_file():
-            self._finish("failed", f"the trainer reported {state} but wrote no model to {self._model_dir}")
+            self._fail(f"the trainer reported {status.state} but wrote no model to {self._model_dir}")
         elif not self._evaluate:
-            self._finish(state, self._status.get("reason"))
+            self._finish(status.state, status.reason)
         else:
-            self._state, self._reason = state, self._status.get("reason")
+            self._state, self._reason = status.state, status.reason
             self._start_evaluations()
 
     def _start_evaluations(self) -> None:
         self._pending_evals = self._backend.eval_commands(self._model_dir, self.run_dir)
-        self._phase = EVALUATING
+        self._phase = Phase.EVALUATING
         self._next_evaluation()
 
     def _after_evaluation(self, returncode: int) -> None:
         name = self._current_eval
-        report = _read_json(self.run_dir / f"{name}_eval.json")
+        report = read_report(self.run_dir, name)
         if returncode != 0 or report is None:
-            log = _last_line(self.run_dir / "eval.log")
-            self._finish("failed", f"the {name} evaluation failed with exit code {returncode} ({log})")
+            log = _last_line(self.run_dir / EVAL_LOG)
+            self._fail(f"the {name} evaluation failed with exit code {returncode} ({log})")
             return
         self._reports[name] = report
         self._next_evaluation()
@@ -259,16 +257,20 @@ class LocalRound:
             return
         self._current_eval, command = self._pending_evals.pop(0)
         try:
-            self._proc, self._started = self._spawn(command, self.run_dir / "eval.log")
+            self._proc, self._started = self._spawn(command, self.run_dir / EVAL_LOG)
         except OSError as error:  # e.g. the evaluator's interpreter is missing: this round fails, the search goes on
-            self._finish("failed", f"could not start the {self._current_eval} evaluation: {error}")
+            self._fail(f"could not start the {self._current_eval} evaluation: {error}")
 
-    def _finish(self, state: str, reason: str | None) -> None:
-        self._state, self._reason, self._phase = state, reason, DONE
+    def _finish(self, state: RoundState, reason: str | None) -> None:
+        self._state, self._reason, self._phase = state, reason, Phase.DONE
+
+    def _fail(self, reason: str, kind: FailureKind = FailureKind.ERROR) -> None:
+        self._failure = kind
+        self._finish(RoundState.FAILED, reason)
 
     def _timings(self) -> dict[str, float]:
-        trainer = self._status.get("timings") or {}
-        timings = {key: float(trainer[key]) for key in ("train", "save") if trainer.get(key) is not None}
+        trainer = self._status.timings if self._status else {}
+        timings = {key: trainer[key] for key in ("train", "save") if key in trainer}
         if self._train_seconds is not None and "train" in timings and "save" in timings:
             # The trainer's own "setup" starts after its imports; the process wall-clock covers all of it.
             timings["setup"] = max(0.0, self._train_seconds - timings["train"] - timings["save"])
@@ -293,7 +295,7 @@ def _fresh_run_dir(path: str | os.PathLike) -> Path:
     run_dir = Path(path)
     run_dir.mkdir(parents=True, exist_ok=True)
     # A folder left by an earlier study under the same runs_dir must not pass its files off as this round's.
-    for stale in ("STOP", "progress.jsonl", "status.json", "ood_eval.json", "val_eval.json", PROCESSES_FILE):
+    for stale in (STOP_FILE, PROGRESS_FILE, STATUS_FILE, eval_report("ood"), eval_report("val"), PROCESSES_FILE):
         (run_dir / stale).unlink(missing_ok=True)
     return run_dir
 
@@ -360,14 +362,6 @@ def _kill_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass  # the whole group is gone already
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _last_line(path: Path) -> str:

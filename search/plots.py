@@ -5,11 +5,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import optuna
+
+from trainer.run_folder import read_progress
 
 ARTIFACT_DIR = "artifacts"
 
@@ -19,26 +20,10 @@ def artifact_dir(storage: str) -> Path:
     return Path(storage).parent / ARTIFACT_DIR if "://" not in storage else Path(ARTIFACT_DIR)
 
 
-def read_progress(path: str | Path) -> list[dict]:
-    """The lines of a progress.jsonl; a line cut short by a crash (the last one) is skipped."""
-    records = []
-    try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            records.append(record)
-    return records
-
-
-def plot_round(progress_path: str | Path, png_path: str | Path, *, title: str = "") -> Path | None:
-    """Rewards, completion length and intermediate ood accuracy against the step, in one PNG; None without data."""
-    records = read_progress(progress_path)
+def plot_round(run_dir: str | Path, png_path: str | Path, *, title: str = "") -> Path | None:
+    """The round's rewards, completion length and intermediate ood accuracy against the step, in one PNG; None
+    without progress."""
+    records = read_progress(run_dir)
     if not records:
         return None
     import matplotlib  # late: only rounds with progress need it

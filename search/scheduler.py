@@ -42,13 +42,14 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from search import selection, space
-from search.backend import TIMING_KEYS, TRAINING, Backend, RoundHandle, RoundOutcome
+from search.backend import TIMING_KEYS, Backend, RoundHandle, RoundOutcome
 from search.clock import Clock
 from search.duration import DurationModel
 from search.heartbeat import HEARTBEAT_ATTR, Heartbeat
 from search.study import FINAL_CHECK_ATTR
 from search.verification import CHECK_ROWS
 from trainer.config import ConfigError, TrialConfig
+from trainer.run_folder import FailureKind, Phase, RoundState
 from trainer.validation import InvalidValue, is_number
 
 POLL_S = 5.0  # between two polls of the running rounds
@@ -62,10 +63,10 @@ GRACE_SHARE = 0.1  # a round may overrun its allotment by this share of it (neve
 MAX_CONSECUTIVE_FAILURES = 5  # then something systematic is broken: stop launching rather than burn the budget
 MAX_CONSECUTIVE_MISFITS = 10  # sampled configurations in a row too slow for round_max: the space does not fit it
 OOD_ROWS_GUESS = 1000  # the brief's ood_val size, for the duration prior when ood_rows is null (all rows)
-# Failures the configuration itself causes (the trainer's reasons start so): told PRUNED, a bad point TPE learns to
-# avoid, instead of FAIL, which TPE ignores (it models COMPLETE, PRUNED and RUNNING trials only) and so would keep
-# sampling there. The trial's `state` attribute still says "failed".
-CONFIG_FAILURES = ("NaN", "out of memory")
+# Failures the configuration itself causes: told PRUNED, a bad point TPE learns to avoid, instead of FAIL, which TPE
+# ignores (it models COMPLETE, PRUNED and RUNNING trials only) and so would keep sampling there. The trial's `state`
+# attribute still says failed.
+CONFIG_FAILURES = frozenset({FailureKind.NAN, FailureKind.OUT_OF_MEMORY})
 # Round 0 may take this many times its predicted evaluation (and at least round_min_minutes) before it is killed: it
 # is the fallback submission, and the first evaluation's prediction is the prior's.
 BASE_ALLOTMENT_FACTOR = 4.0
@@ -368,7 +369,7 @@ class Scheduler:
             self._close(now, f"no time left for a useful round ({_minutes(allotted)} before the reserve)")
             return
         reason = f"too slow: its shortest useful round ({shortest} steps) needs {needed}, more than round_max_minutes"
-        trial.set_user_attr("state", "pruned")
+        trial.set_user_attr("state", RoundState.PRUNED)
         trial.set_user_attr("reason", reason)
         self._tell(trial, state=TrialState.PRUNED)
         self._say(now, f"round {trial.number} not run: {reason}")
@@ -390,7 +391,7 @@ class Scheduler:
         if now >= r.kill_at:
             allotted = _minutes(r.end_by - r.started)
             r.killed = f"killed: still {r.handle.phase()} {_minutes(now - r.end_by)} past its allotment of {allotted}"
-        elif r.handle.phase() == TRAINING and now - r.last_line_at >= hang_s:
+        elif r.handle.phase() == Phase.TRAINING and now - r.last_line_at >= hang_s:
             r.killed = f"hung: no progress for {self.settings.hang_minutes:g} min"
         if r.killed:
             r.handle.kill()
@@ -403,7 +404,7 @@ class Scheduler:
     @staticmethod
     def _still_stepping(r: _Round) -> bool:
         """Training, and not yet at its last step (a STOP during the save changes nothing)."""
-        return r.handle.phase() == TRAINING and r.latest.get("step", 0) < r.config.steps
+        return r.handle.phase() == Phase.TRAINING and r.latest.get("step", 0) < r.config.steps
 
     def _report(self, r: _Round, step: int, value: float) -> None:
         if r.pruned:
@@ -419,19 +420,20 @@ class Scheduler:
     def _finish(self, slot: int, now: float) -> None:
         r = self._running.pop(slot)
         outcome = r.handle.outcome()
-        state, reason = outcome.state, outcome.reason
+        state, reason = RoundState(outcome.state), outcome.reason
+        failure = (outcome.failure or FailureKind.ERROR) if state == RoundState.FAILED else None
         if r.killed:
-            state, reason = "failed", r.killed
-        elif state != "failed" and r.pruned:
-            state, reason = "pruned", r.pruned
-        elif state == "stopped" and r.stopped:
+            state, reason, failure = RoundState.FAILED, r.killed, FailureKind.ERROR
+        elif state != RoundState.FAILED and r.pruned:
+            state, reason = RoundState.PRUNED, r.pruned
+        elif state == RoundState.STOPPED and r.stopped:
             reason = r.stopped
-        if state in ("completed", "stopped") and outcome.ood_accuracy is None:
-            state, reason = "failed", "the evaluation gave no OOD accuracy"
-        outcome.state, outcome.reason = state, reason
+        if state.saved and outcome.ood_accuracy is None:
+            state, reason, failure = RoundState.FAILED, "the evaluation gave no OOD accuracy", FailureKind.ERROR
+        outcome.state, outcome.reason, outcome.failure = state, reason, failure
 
         self.duration.observe(r.config, outcome.steps_done, outcome.timings)  # the backend reports what was measured
-        scored = state in ("completed", "stopped")
+        scored = state.saved
         attrs = {
             "state": state,
             "reason": reason,
@@ -444,6 +446,8 @@ class Scheduler:
             "timings": {key: round(float(value), 1) for key, value in outcome.timings.items()},
             "total_steps": (r.parent.total_steps if r.parent else 0) + outcome.steps_done,
         }
+        if failure is not None:
+            attrs["failure"] = failure
         if scored:
             attrs["merged_dir"] = outcome.merged_dir
             if outcome.ood_rows:
@@ -456,9 +460,9 @@ class Scheduler:
 
         if self.on_round_scored is not None:
             self.on_round_scored(r.trial, outcome)
-        if state in ("completed", "stopped"):
+        if scored:
             self._tell(r.trial, outcome.ood_accuracy)
-        elif state == "pruned" or (state == "failed" and not r.killed and (reason or "").startswith(CONFIG_FAILURES)):
+        elif state == RoundState.PRUNED or failure in CONFIG_FAILURES:
             self._tell(r.trial, state=TrialState.PRUNED)  # Optuna keeps the last reported value
         else:
             self._tell(r.trial, state=TrialState.FAIL)
@@ -563,15 +567,15 @@ class Scheduler:
         self._say(now, f"round {r.trial.number} ended here: another worker finished its trial ({why})")
 
     def _tell_failed(self, trial: optuna.Trial, reason: str, now: float, *, count: bool = True) -> None:
-        trial.set_user_attr("state", "failed")
+        trial.set_user_attr("state", RoundState.FAILED)
         trial.set_user_attr("reason", reason)
         self._tell(trial, state=TrialState.FAIL)
         self._say(now, f"round {trial.number} failed: {reason}")
         if count:
-            self._count("failed", now)
+            self._count(RoundState.FAILED, now)
 
-    def _count(self, state: str, now: float) -> None:
-        self._failures = self._failures + 1 if state == "failed" else 0
+    def _count(self, state: RoundState, now: float) -> None:
+        self._failures = self._failures + 1 if state == RoundState.FAILED else 0
         if self._failures >= MAX_CONSECUTIVE_FAILURES:
             self._close(now, f"{self._failures} rounds in a row failed: see their reasons and train.log")
 
@@ -644,7 +648,7 @@ class Scheduler:
                 self._say(now, f"round {t.number}: could not end its processes: {type(error).__name__}: {error}")
         trial = optuna.trial.Trial(self.study, t._trial_id)  # the live handle of a stored trial
         try:
-            trial.set_user_attr("state", "failed")
+            trial.set_user_attr("state", RoundState.FAILED)
             trial.set_user_attr("reason", reason)
             if killed:
                 trial.set_user_attr("reaped_process_groups", killed)
@@ -663,7 +667,7 @@ class Scheduler:
             with contextlib.suppress(Exception):
                 r.handle.kill()
             with contextlib.suppress(Exception):
-                r.trial.set_user_attr("state", "failed")
+                r.trial.set_user_attr("state", RoundState.FAILED)
                 r.trial.set_user_attr("reason", "interrupted: the scheduler stopped during this round")
                 self.study.tell(r.trial, state=TrialState.FAIL)
 
@@ -676,7 +680,7 @@ class Scheduler:
         self._status_key, self._status_at = key, now
         parts = []
         for r in rounds:
-            if r.handle.phase() == TRAINING:
+            if r.handle.phase() == Phase.TRAINING:
                 line = r.latest
                 text = f"step {line.get('step', 0)}/{r.config.steps}"
                 if isinstance(line.get("reward"), (int, float)):
@@ -684,7 +688,7 @@ class Scheduler:
                 if r.latest_ood is not None:
                     text += f" ood {r.latest_ood:.1f}"
             else:
-                text = "evaluating"
+                text = Phase.EVALUATING
             parts.append(f"#{r.trial.number} {_gpus(r.gpus)} {text}")
         self._say(now, " | ".join(parts + [self._best_text()]))
 

@@ -22,9 +22,10 @@ import math
 import random
 from pathlib import Path
 
-from search.backend import DONE, EVALUATING, TRAINING, RoundOutcome
+from search.backend import RoundOutcome
 from search.clock import Clock
 from trainer.config import TrialConfig
+from trainer.run_folder import MERGED_DIR, FailureKind, Phase, RoundState
 
 # The hidden cost of a round on the simulated box (seconds): a box ~3x slower than an H200 (search/duration.py's
 # measured priors), where the DurationModel's prior guesses 2x, so early rounds run late and the model has to learn.
@@ -135,7 +136,7 @@ class SimulatedRound:
         self._rng = rng
         self._started = self._clock.now()
         self._start_point = backend.start_point(config.model_path if config else model_dir)
-        self._merged = str(Path(config.output_dir) / "merged") if config else model_dir
+        self._merged = str(Path(config.output_dir) / MERGED_DIR) if config else model_dir
         parts = _true_parts(config, backend.settings)
         noise = lambda sigma: math.exp(rng.gauss(0.0, sigma))  # noqa: E731 - per-part lognormal noise
         self._setup = parts["setup"] * noise(0.05)
@@ -144,19 +145,20 @@ class SimulatedRound:
         self._save = parts["save"] * noise(0.05)
         self._eval = parts["eval"] * noise(0.03)
         self._planned = config.steps if config else 0
-        self._failure: tuple[int, str] | None = None  # (steps done, reason)
+        self._failure: tuple[int, str, FailureKind] | None = None  # (steps done, reason, kind)
         self._hang_step: int | None = None  # the last step a hung round completes
         draw = rng.random()
         if config is None:
             pass  # scoring a saved model: no training to fail
         elif draw < backend.failure_rate:
-            self._failure = (0, "simulated failure: CUDA error: an illegal memory access was encountered")
+            self._failure = (0, "simulated failure: CUDA error: an illegal memory access was encountered",
+                             FailureKind.ERROR)
         elif draw < backend.failure_rate + backend.hang_rate:
             self._hang_step = rng.randint(0, config.steps - 1)
         elif not config.full_finetuning and config.learning_rate > NAN_LR_FACTOR * _peak_lr(config):
             if rng.random() < 0.5:
                 step = rng.randint(1, max(1, config.steps // 3))
-                self._failure = (step, f"NaN or inf loss (nan) at step {step}")
+                self._failure = (step, f"NaN or inf loss (nan) at step {step}", FailureKind.NAN)
         self._stop_step: int | None = None
         self._evaluate = True
         self._killed: tuple[float, str] | None = None  # (when, phase)
@@ -197,17 +199,17 @@ class SimulatedRound:
             lines.append(self._line(self._emitted))
         return lines
 
-    def phase(self) -> str:
+    def phase(self) -> Phase:
         now = self._now()
         if self._killed or now >= self._end():
-            return DONE
-        return TRAINING if now < self._save_end() else EVALUATING
+            return Phase.DONE
+        return Phase.TRAINING if now < self._save_end() else Phase.EVALUATING
 
     def done(self) -> bool:
-        return self.phase() == DONE
+        return self.phase() == Phase.DONE
 
     def request_stop(self, *, evaluate: bool = True) -> None:
-        if self._hang_step is not None or self.phase() != TRAINING:
+        if self._hang_step is not None or self.phase() != Phase.TRAINING:
             return
         self._evaluate = self._evaluate and evaluate
         if self._stop_step is None:
@@ -230,12 +232,13 @@ class SimulatedRound:
             timings = {}
         if self._killed:
             when, phase = self._killed
-            if phase != EVALUATING:  # the trainer's status died with it
+            if phase != Phase.EVALUATING:  # the trainer's status died with it
                 return _failed(f"killed while {phase}", min(steps, self._emitted), {})
             return _failed(f"killed while {phase}", steps, {**timings, "eval_at_least": when - self._save_end()})
         if self._failure:
-            return _failed(self._failure[1], steps, {})
-        state = "completed" if steps == self._planned else "stopped"
+            _, reason, kind = self._failure
+            return _failed(reason, steps, {}, kind)
+        state = RoundState.COMPLETED if steps == self._planned else RoundState.STOPPED
         accuracy, total_steps = self._true_accuracy(steps), self._start_point[1] + steps
         clean = self._clean_format()
         if self._config is not None:
@@ -316,8 +319,8 @@ def _peak_lr(config: TrialConfig) -> float:
     return PEAK_LR["full" if config.full_finetuning else "lora"]
 
 
-def _failed(reason: str, steps: int, timings: dict) -> RoundOutcome:
-    return RoundOutcome("failed", reason, None, None, None, None, steps, timings)
+def _failed(reason: str, steps: int, timings: dict, kind: FailureKind = FailureKind.ERROR) -> RoundOutcome:
+    return RoundOutcome(RoundState.FAILED, reason, None, None, None, None, steps, timings, failure=kind)
 
 
 def _clip(value: float) -> float:

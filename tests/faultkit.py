@@ -64,25 +64,26 @@ def _trainer(argv: list[str]) -> int:
         progress.write(json.dumps({"step": step, "reward": reward, "rewards": {}}) + "\n")
         progress.flush()
 
-    def status(state: str, reason: str | None, steps: int) -> None:
+    def status(state: str, reason: str | None, steps: int, kind: str | None = None) -> None:
         timings = {"setup": 0.01, "train": round(steps * step_s, 3), "save": 0.01}
-        data = {"state": state, "reason": reason, "steps_done": steps, "timings": timings}
+        data = {"state": state, "kind": kind, "reason": reason, "steps_done": steps, "timings": timings}
         tmp = out / ".status.json.tmp"
         tmp.write_text(json.dumps(data))
         os.replace(tmp, out / "status.json")
 
     if mode == "raise":
         print("Traceback (most recent call last):\nRuntimeError: boom in the reward function", file=sys.stderr)
-        status("failed", "RuntimeError: boom in the reward function", 0)
+        status("failed", "RuntimeError: boom in the reward function", 0, "error")
         return 1
-    if mode == "oom":  # what trainer.status.describe_exception writes for torch.OutOfMemoryError
+    if mode == "oom":  # what trainer.failure.describe_exception writes for torch.OutOfMemoryError
         line(1)
-        status("failed", "out of memory: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", 1)
+        status("failed", "out of memory: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", 1,
+               "out_of_memory")
         return 1
     if mode == "nan":  # what the trainer's NaN guard writes
         line(1)
         line(2, reward=None)
-        status("failed", "NaN or inf reward (None) at step 2", 2)
+        status("failed", "NaN or inf reward (None) at step 2", 2, "nan")
         return 1
     if mode == "oomkill":
         line(1)

@@ -36,6 +36,7 @@ from search.scheduler import Scheduler
 from search.settings import load_settings
 from search.simulated_backend import SimulatedBackend
 from search.study import DEADLINE_ATTR, open_storage, open_study
+from trainer.run_folder import FailureKind
 
 ROOT = Path(__file__).resolve().parents[1]
 ORPHANED = "orphaned: the scheduler stopped during this round"
@@ -105,11 +106,13 @@ class ScriptedBackend(SimulatedBackend):
             raise OSError(errno.ENOSPC, "No space left on device", config.output_dir)
         handle = super().start(config, gpus)
         if fault == "raise":
-            handle._failure = (0, "RuntimeError: CUDA error: an illegal memory access was encountered")
+            handle._failure = (0, "RuntimeError: CUDA error: an illegal memory access was encountered",
+                               FailureKind.ERROR)
         elif fault == "oom":
-            handle._failure = (1, "out of memory: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+            handle._failure = (1, "out of memory: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                               FailureKind.OUT_OF_MEMORY)  # fmt: skip
         elif fault == "nan":
-            handle._failure = (2, "NaN or inf loss (nan) at step 2")
+            handle._failure = (2, "NaN or inf loss (nan) at step 2", FailureKind.NAN)
         elif fault == "hang":
             handle._hang_step = 1
         return handle

@@ -51,12 +51,12 @@ def line(step, **extra):
     progress.write(json.dumps({"step": step, "reward": 0.5, **extra}) + "\n")
     progress.flush()
 
-def finish(state, steps, reason=None, model=True, code=0):
+def finish(state, steps, reason=None, model=True, code=0, **kind):
     if model:
         (out / "merged").mkdir(exist_ok=True)
         (out / "merged" / "config.json").write_text("{}")
     timings = {"setup": 0.01, "train": 0.05, "save": 0.01}
-    status = {"state": state, "reason": reason, "steps_done": steps, "timings": timings}
+    status = {"state": state, "reason": reason, "steps_done": steps, "timings": timings, **kind}
     (out / "status.json").write_text(json.dumps(status))
     sys.exit(code)
 
@@ -73,6 +73,12 @@ elif mode == "until_stop":
     finish("stopped", step)
 elif mode == "failed":
     finish("failed", 0, reason="CUDA out of memory while loading the model", model=False, code=1)
+elif mode in ("nan", "out_of_memory", "error"):  # the kind says it; the reason's words do not
+    line(1)
+    finish("failed", 1, reason="the round ended at step 1", model=False, code=1, kind=mode)
+elif mode == "nan_without_kind":  # a status written before there were kinds
+    line(1)
+    finish("failed", 1, reason="NaN or inf loss (nan) at step 1", model=False, code=1)
 elif mode == "crash":
     print("Traceback (most recent call last):\nRuntimeError: boom", file=sys.stderr)
     sys.exit(3)
@@ -249,6 +255,34 @@ def test_the_scheduler_kills_a_hung_round(backend, tmp_path, monkeypatch):
     while alive(child):
         assert time.monotonic() < until, "the hung round's child survived"
         time.sleep(0.02)
+
+
+@pytest.mark.parametrize(
+    "mode, told, failure",
+    [
+        ("nan", optuna.trial.TrialState.PRUNED, "nan"),
+        ("out_of_memory", optuna.trial.TrialState.PRUNED, "out_of_memory"),
+        ("error", optuna.trial.TrialState.FAIL, "error"),
+        ("nan_without_kind", optuna.trial.TrialState.FAIL, "error"),
+    ],
+)
+def test_a_failure_is_told_by_its_kind_not_its_reason(backend, tmp_path, monkeypatch, mode, told, failure):
+    """A NaN and an out-of-memory status are the configuration's failures: told PRUNED, which TPE learns from,
+    whatever their reason says; a status without a kind reads as an error, whatever its reason says."""
+    monkeypatch.setattr(scheduler_module, "POLL_S", 0.05)
+    monkeypatch.setattr(scheduler_module, "MAX_CONSECUTIVE_FAILURES", 1)  # end the search after that round
+    monkeypatch.setenv("STUB_MODE", mode)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    settings = make_settings(tmp_path, gpus=0, reserve_minutes=0, round_min_minutes=1)
+    backend.settings = settings
+    clock = WallClock()
+    study, deadline = open_study(settings, now=clock.now())
+    Scheduler(settings, study, deadline, backend, clock, promote=lambda outcome, trial: True).run()
+    base, trial = [t for t in study.trials if t.state != optuna.trial.TrialState.WAITING]
+    assert base.user_attrs["recipe"] == "base" and base.state == optuna.trial.TrialState.COMPLETE
+    assert trial.state == told and trial.user_attrs["state"] == "failed"
+    assert trial.user_attrs["failure"] == failure and trial.user_attrs["reason"] in (
+        "the round ended at step 1", "NaN or inf loss (nan) at step 1")
 
 
 def test_a_real_round_end_to_end_on_the_tiny_model(tmp_path, tiny_model_dir, monkeypatch):

@@ -119,7 +119,7 @@ def test_optuna_dashboard_cli_opens_the_journal_and_serves_a_round_plot(settings
         json.dumps({"step": s, "rewards": {"accuracy": s / 10}, "reward": s / 10, "completion_length": 40 - s,
                     "ood_accuracy": 50 + s if s % 2 == 0 else None}) + "\n" for s in range(1, 9)
     ))  # fmt: skip
-    png = plot_round(progress, tmp_path / "round-0.png", title="trial 0")
+    png = plot_round(tmp_path, tmp_path / "round-0.png", title="trial 0")
     artifact_id = upload_plot(trial, png, tmp_path / "artifacts")
     study.tell(trial, 55.0)
 
@@ -140,10 +140,10 @@ def test_optuna_dashboard_cli_opens_the_journal_and_serves_a_round_plot(settings
 
 
 def test_round_plot_skips_a_torn_line_and_needs_data(tmp_path):
-    assert plot_round(tmp_path / "absent.jsonl", tmp_path / "a.png") is None
+    assert plot_round(tmp_path / "absent", tmp_path / "a.png") is None
     progress = tmp_path / "progress.jsonl"
     progress.write_text(json.dumps({"step": 1, "reward": 0.5, "rewards": {"accuracy": 0.5}}) + "\n{\"step\": 2, \"rew")
-    png = plot_round(progress, tmp_path / "round.png")
+    png = plot_round(tmp_path, tmp_path / "round.png")
     assert png is not None and png.read_bytes().startswith(b"\x89PNG")
 
 

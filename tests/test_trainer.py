@@ -376,15 +376,15 @@ def test_sigterm_stops_a_single_process_round_and_saves(tmp_path, tiny_model_dir
 
 
 @pytest.mark.parametrize(
-    ("reward", "expected"),
+    ("reward", "expected", "kind"),
     [
-        (lambda completions, **kwargs: [float("inf")] * len(completions), "NaN"),
-        (lambda completions, **kwargs: 1 / 0, "ZeroDivisionError"),
+        (lambda completions, **kwargs: [float("inf")] * len(completions), "NaN", "nan"),
+        (lambda completions, **kwargs: 1 / 0, "ZeroDivisionError", "error"),
     ],
     ids=["inf_reward", "raising_reward"],
 )
 def test_a_failing_round_writes_failed_status_with_the_reason(tmp_path, tiny_model_dir, splits, monkeypatch,
-                                                              reward, expected):  # fmt: skip
+                                                              reward, expected, kind):  # fmt: skip
     from trainer import rewards
     from trainer.config import TrialConfig
     from trainer.round import run_round
@@ -395,8 +395,20 @@ def test_a_failing_round_writes_failed_status_with_the_reason(tmp_path, tiny_mod
     result = run_round(config)
     status = read_status(tmp_path / "run")
     assert result.state == status["state"] == "failed"
+    assert result.kind == status["kind"] == kind
     assert status["reason"].startswith(expected) and status["steps_done"] <= 1
     assert not (tmp_path / "run" / "merged").exists()
+
+
+def test_an_exception_becomes_a_failure_kind_and_a_reason():
+    from trainer.failure import describe_exception
+    from trainer.run_folder import FailureKind
+
+    for exc in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), MemoryError()):
+        kind, reason = describe_exception(exc)
+        assert kind == FailureKind.OUT_OF_MEMORY and reason.startswith(f"out of memory: {type(exc).__name__}")
+    kind, reason = describe_exception(ValueError("bad reward"))
+    assert kind == FailureKind.ERROR and reason.startswith("ValueError: bad reward")
 
 
 def test_scoring_only_completion_positions_off_cuda_changes_nothing_in_a_round(tmp_path, tiny_model_dir,
@@ -410,7 +422,8 @@ def test_scoring_only_completion_positions_off_cuda_changes_nothing_in_a_round(t
     import trainer.round as round_module
     from trainer import rewards
     from trainer.config import TrialConfig
-    from trainer.round import MERGED_DIR, run_round
+    from trainer.round import run_round
+    from trainer.run_folder import MERGED_DIR
 
     monkeypatch.setitem(rewards.REWARDS, "token_parity", token_parity)
 
@@ -449,7 +462,8 @@ def test_a_round_that_continues_another_starts_from_its_merged_weights(tmp_path,
     import trainer.round as round_module
     from trainer import rewards
     from trainer.config import TrialConfig
-    from trainer.round import MERGED_DIR, run_round
+    from trainer.round import run_round
+    from trainer.run_folder import MERGED_DIR
 
     monkeypatch.setitem(rewards.REWARDS, "token_parity", token_parity)
     started_from = {}

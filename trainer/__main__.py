@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.round import run_round  # heavy imports (torch, transformers, trl) only for a valid config
 
     result = run_round(config)
-    return 0 if result.state in ("completed", "stopped") else 1
+    return 0 if result.state.saved else 1
 
 
 if __name__ == "__main__":

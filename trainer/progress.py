@@ -33,9 +33,8 @@ from transformers import TrainerCallback
 
 from evaluator.protocol import extract_answer
 from trainer.rewards import completion_text
+from trainer.run_folder import PROGRESS_FILE, STOP_FILE
 
-STOP_FILE = "STOP"
-PROGRESS_FILE = "progress.jsonl"
 FORMAT_RATE = "format_rate"
 
 # TRL 1.16 metric names that describe a generation batch (logged only on the step that generated it).

@@ -1,21 +1,13 @@
 """One GRPO round: `run_round(config) -> RoundResult`. Trains `config.model_path` on `config.train_path` with TRL's
-GRPOTrainer and leaves in `config.output_dir`:
+GRPOTrainer and leaves in `config.output_dir` (trainer.run_folder names the files) the progress lines, the status,
+and `merged/`: the full model (LoRA merged in) with the base's processor, loadable as the verifier loads it, written
+aside and renamed so that a folder called `merged` is always complete.
 
-- `progress.jsonl`: one line per optimizer step (see trainer.progress);
-- `status.json`: state completed | stopped | failed, reason, steps_done, timings (see trainer.status);
-- `merged/`: the full model (LoRA merged in), tokenizer and processor, loadable with
-  `Qwen2VLForConditionalGeneration.from_pretrained` / `AutoProcessor.from_pretrained`. Written into a temporary
-  sibling and renamed, so a folder called `merged` is always complete.
-
-Stopping a round early: create a file named `STOP` in `output_dir`, or send SIGTERM. The round finishes the step in
-flight (a STOP file present from the start: after step 1), ends with state "stopped" and still saves `merged/`.
-Under `accelerate launch`, prefer the STOP file: the launcher then exits normally after its workers. SIGTERM to the
-launcher's process group does reach the workers, which stop the same way, but the launcher does not wait for them
-as it should: `--multi_gpu` (torch's elastic agent) SIGKILLs them 30 s later, which can cut a save short (then
-there is no `merged/` and no status.json), and the CPU launcher exits at once while they finish.
-A NaN/inf loss, gradient norm or reward stops the round as "failed" (reason "NaN ...") without saving; any
-exception makes it "failed" with the exception's type, message and traceback tail (an out-of-memory error: reason
-"out of memory: ...").
+A STOP file or SIGTERM ends the round after the step in flight (a STOP file present from the start: after step 1),
+stopped and saved. Under `accelerate launch` prefer the STOP file: the launcher does not wait for workers it passed
+SIGTERM on to (`--multi_gpu` SIGKILLs them 30 s later, which can cut a save short; the CPU launcher exits at once).
+A non-finite loss, gradient norm or reward fails the round (kind nan) without saving; an exception fails it with its
+type, message and traceback tail (kind out_of_memory or error).
 
 Works the same under plain `python -m trainer` (one process) and `accelerate launch --num_processes N` (CPU or GPU):
 TRL/accelerate do the data-parallel work; everything written to disk is written by the main process.
@@ -43,18 +35,23 @@ from trainer.config import ConfigError, TrialConfig
 from trainer.cpu_loss import completion_positions_only
 from trainer.data import build_ood_subset, build_train_dataset
 from trainer.layout import BatchLayout, batch_layout
-from trainer.progress import FORMAT_RATE, PROGRESS_FILE, ProgressCallback, StopRequest, format_rate
+from trainer.failure import describe_exception
+from trainer.progress import FORMAT_RATE, ProgressCallback, StopRequest, format_rate
 from trainer.rewards import build_reward_funcs
 from trainer.rollout import ReplicaGRPOTrainer, RolloutReplica
-from trainer.status import (
+from trainer.run_folder import (
+    MERGED_DIR,
+    PROGRESS_FILE,
     STATUS_FILE,
-    describe_exception,
-    earliest_failure,
-    record_rank_failure,
+    FailureKind,
+    RoundState,
+    Status,
+    earliest_rank_failure,
+    rank_failure_files,
+    write_rank_failure,
     write_status,
 )
 
-MERGED_DIR = "merged"
 TRL_DIR = "trl"  # the trainer's own output_dir (nothing is checkpointed there: save_strategy "no")
 # The vision tower's linear layers under `train_vision_tower` with LoRA: each block's attention (qkv, proj) and MLP
 # (fc1, fc2), and the merger's MLP (indices 0 and 2 of its Sequential). The patch embedding (a Conv3d) stays frozen.
@@ -66,12 +63,13 @@ EVAL_BATCH_SIZE = 32
 
 @dataclass
 class RoundResult:
-    state: str  # "completed" | "stopped" | "failed"
+    state: RoundState  # COMPLETED, STOPPED or FAILED
     reason: str | None
     steps_done: int
     timings: dict[str, float] = field(default_factory=dict)
     merged_dir: str | None = None
     output_dir: str = ""
+    kind: FailureKind | None = None  # when FAILED
 
 
 def run_round(config: TrialConfig) -> RoundResult:
@@ -86,7 +84,7 @@ def run_round(config: TrialConfig) -> RoundResult:
     stop = StopRequest(out)
     stop.install()
     timings = {"setup": 0.0, "train": 0.0, "save": 0.0}
-    state, reason, steps_done, merged = "failed", None, 0, None
+    state, kind, reason, steps_done, merged = RoundState.FAILED, FailureKind.ERROR, None, 0, None
     progress: ProgressCallback | None = None
     try:
         layout = batch_layout(config, distributed.num_processes)
@@ -100,37 +98,40 @@ def run_round(config: TrialConfig) -> RoundResult:
         steps_done = trainer.state.global_step
 
         if progress.failure is not None:
-            state, reason = "failed", progress.failure  # poisoned weights: nothing worth saving
+            kind, reason = FailureKind.NAN, progress.failure  # poisoned weights: nothing worth saving
         else:
             stopped_early = progress.stop_reason is not None and steps_done < config.steps
-            state, reason = ("stopped", progress.stop_reason) if stopped_early else ("completed", None)
+            state, kind = (RoundState.STOPPED if stopped_early else RoundState.COMPLETED), None
+            reason = progress.stop_reason if stopped_early else None
             began = time.monotonic()
             if is_main:
                 merged = str(save_merged(trainer, config))
             timings["save"] = time.monotonic() - began
     except (Exception, KeyboardInterrupt) as exc:
-        state, reason = "failed", describe_exception(exc)
+        state, (kind, reason) = RoundState.FAILED, describe_exception(exc)
         if progress is not None:
             steps_done = progress.steps_done
         if distributed.num_processes > 1:
-            record_rank_failure(out, distributed.process_index, reason)
+            write_rank_failure(out, distributed.process_index, kind, reason)
         if not is_main and not (out / STATUS_FILE).exists():
-            write_status(out, state, f"rank {distributed.process_index}: {reason}", steps_done, timings)
+            rank_reason = f"rank {distributed.process_index}: {reason}"
+            write_status(out, Status(state, rank_reason, steps_done, timings, kind))
     finally:
         stop.restore()
     if is_main:
-        if state == "failed" and reason is not None and not reason.startswith("NaN"):
-            first = earliest_failure(out)
-            if first is not None and first["rank"] != distributed.process_index:
-                reason = f"rank {first['rank']}: {first['reason']}"
-        write_status(out, state, reason, steps_done, timings)
-    return RoundResult(state, reason, steps_done, timings, merged, str(out))
+        if state == RoundState.FAILED and kind != FailureKind.NAN:
+            # The others usually only saw the collective break: the earliest failure of any process is the cause.
+            first = earliest_rank_failure(out)
+            if first is not None and first.rank != distributed.process_index:
+                kind, reason = first.kind, f"rank {first.rank}: {first.reason}"
+        write_status(out, Status(state, reason, steps_done, timings, kind))
+    return RoundResult(state, reason, steps_done, timings, merged, str(out), kind)
 
 
 def _clear_previous_outputs(out: Path) -> None:
     """A re-run in the same folder starts a new round: old lines, status and failures would be read as its own.
     A STOP file is kept: it may have been written on purpose before the round got going."""
-    for path in [out / PROGRESS_FILE, out / STATUS_FILE, *out.glob("failure.rank*.json")]:
+    for path in [out / PROGRESS_FILE, out / STATUS_FILE, *rank_failure_files(out)]:
         path.unlink(missing_ok=True)
 
 
