@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
 
 from bench.learning import accuracy_entry, paired_difference, score  # noqa: E402
 from bench.search_vs_baseline import KINDS, machine  # noqa: E402
-from run_search import DEMO_BUDGET  # noqa: E402
+from search.settings import DEMO_BUDGET  # noqa: E402
 
 ARMS = {"base": "[base]", "searched": "[base, best]", "forced": "[best]"}
 

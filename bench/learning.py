@@ -12,152 +12,8 @@ gains over the runs (mean, min, max). Every model, split and round is written un
 with the same arguments.
 
 The default round (`RoundRecipe`): LoRA rank 16 on the language model, lr 2e-3, 40 steps of 8 prompts x 8
-generations, temperature 1 (~7-8 s a step on 2 CPU cores; ~20 minutes for the three arms and the scoring).
-Measured on teach seed 0 (the default `Recipe`), n_eval 300, base accuracy compositional 46.0%, other 33.3%; gains
-in points over GRPO seeds 0 1 2:
-
-    recipe (40 steps x 8 generations)      runs  image comp / other   blank comp / other    shuffle comp / other
-    full, lr 1e-4, 4 prompts               0     +8.0 / -1.3          -0.3 / -8.7           +7.0 / +1.3
-                                           1     +2.3 / -1.0          -5.7 / +1.0           -9.7 / -0.3
-                                           2     +6.3 / -1.0          +4.7 / -0.7          -14.7 / -1.7
-    full, lr 1e-3, 4 prompts               0    -11.3 / -6.7         -46.0 / -33.3 *       -46.0 / -33.3 *
-    full, lr 3e-4, 8 prompts               0     +6.3 / -2.0          +1.7 / -0.3          -13.0 / -10.0
-    LoRA 16, lr 2e-3, 8 prompts (default)  0     +8.3 / +0.0         -28.3 / -19.0          -6.0 / -8.0
-                                           1     +6.7 / -0.3          -6.3 / +0.0          -14.0 / -1.0
-                                           2     +7.3 / -2.0         -31.0 / -20.0         -34.0 / -16.0
-    (* no answer in the format any more)
-
-So, with the default: on the compositional split the image round gains +6.7..+8.3 while every control round loses
-(at best -6.0), a gap of >= 12.7 points in every run; on the different-renderer split ("other") the image round does
-not gain (-2.0..0.0) and is not separated from the controls (blank +0.0 in seed 1). The image arm's training
-accuracy reward (`rewards/accuracy/mean`, mean of the first vs last 10 steps) rose in seeds 0 and 2 (0.375 -> 0.412,
-0.380 -> 0.400) but not in seed 1 (0.370 -> 0.342). Why "other" does not move: the round trains only the language
-model (the vision tower is frozen, trainer.round) on condition-A images, and the taught model's errors on the other
-renderer are in what it sees (the base model reads 4-5 objects there as 6 and 2-3 as 1). The compositional gain
-comes almost all from 3-object scenes (right 11/53 before, 38 and 41/53 after in seeds 0 and 1; read as 2 before),
-paid for in part by 2- and 4-object scenes now read as 3; on "other" the same shift is smaller and cancels out.
-Full fine-tuning at 1e-3 collapses (the controls stop answering in the format); at 1e-4 the controls' gains
-overlap the image round's. No CPU test asserts the separation (tests/test_learning.py): it holds on one kind only.
-
-Training the vision tower too (`--train-vision`, TrialConfig.train_vision_tower) does not move "other" either: CPU,
-LoRA 16 on both towers, seed 0: compositional -1.3, other -0.7; H200, full fine-tuning of both at lr 1e-4, seeds
-0 1 2: compositional -4.0 / +6.0 / +5.0, other -0.3 / -2.3 / -2.3, with a blank control gaining +7.0 in seed 1.
-
-On the H200 (`--device cuda`: the model taught on the GPU, close to but not the CPU's; bf16 rounds; every figure in
-bench/results/2026-12-03-h200-learning.jsonl), teach seed 0, n_eval 300, gains in points for GRPO seeds 0 1 2:
-
-    taught model (base comp / other)        round        image comp / other        blank comp / other     shuffle comp / other
-    default (48.0 / 35.3)                   default      +0.7 -4.7 +5.3 / -3.0 -1.0 -1.3   <= -28.3 / <= -13.3   <= -14.7 / <= -3.7
-    undercount 0.6 (50.0 / 31.7)            default      +10.3 +0.7 +8.0 / +2.7 +3.0 +2.0  <= -7.3 / <= -8.3     <= -31.7 / <= -11.0
-    undercount 0.8 (36.3 / 32.7)            default      +15.3 +18.0 +19.3 / +1.0 +1.3 +1.3  <= -7.7 / <= -11.3  <= -18.7 / <= -10.7
-    undercount 0.8                          120 steps    +14.0 +19.7 +21.0 / +1.7 +0.3 +3.7  <= -18.7 / <= -10.7  (not run)
-
-`--undercount-share` (synthetic.teach.Recipe.undercount_share) teaches an answer-side bias: that share of the rows
-with 3 or more objects is taught the count minus one (the vision tower's per-cell targets stay true), as a real
-model undercounts crowded scenes. At 0.8 the image round gains 15-19 points on the compositional split and every
-control loses (a gap of >= 23 points), the clearest separation so far; on "other" the image round gains +1.0..+1.3
-(each run's 95% interval includes 0) while every control loses >= 10.7 points: separated from the controls, not yet
-beyond noise on its own. On a CPU (bench/results/2026-12-03-cpu-learning.jsonl), undercount 0.8, GRPO seed 0: base
-43.7 / 33.7; image +12.3 [+7.1, +17.6] / -0.3; blank -22.3 / -17.0; shuffle -23.3 / -5.0. The bias barely shows
-on "other" (32.7% against 35.3% unbiased): there the taught model's errors are in what it sees (the other renderer's
-2-3 objects read as 1), which the answer's reward cannot fix.
-
-Teaching the other renderer too (`--other-share`, synthetic.teach.Recipe.other_share: that share of the SFT rows
-rendered by the other renderer from scenes of their own, never an evaluation row; `--other-aux-only`: those rows
-teach only the tower's per-cell targets). H200, undercount 0.8, teach seed 0, n_eval 300, the default round, gains in
-points for GRPO seeds 0 1:
-
-    taught model (base comp / other)         image comp / other          blank comp / other        shuffle comp / other
-    other 0.25 (36.3 / 35.0)                 +6.7 +9.0 / +1.7 -0.3       -18.7 -12.7 / -21.3 -13.7  +0.0 -9.3 / -10.3 -11.0
-    other 0.25, tower only (45.7 / 33.0)     +7.7 -4.3 / +3.7 -1.7       -27.3 -14.0 / -13.7 -11.0  -21.0 -7.3 / -3.0 -5.7
-    other 0.5 = DEMO_RECIPE (17.7 / 15.3)    +20.7 +25.3 / +16.3 +18.0   +0.0 +0.0 / +0.0 +1.0      -1.0 +0.0 / -1.3 +0.0
-
-With half of its rows from the other renderer, the 400-step SFT ends before the answer follows the image: the answer
-loss is still on the plateau (0.18) where every recipe sits for its first ~250 steps, while the tower's per-cell loss
-has fallen to 0.07 (it sees the objects of both renderers). The greedy answer mostly follows the biased prior
-(accuracy near 1 in 6 on every split). A round on condition A teaches the language model to read the count from the
-tower, and that carries to the other renderer: +16 to +25 points on both held-out splits, while the blank and
-shuffled rounds, which see no count in the image, move by at most 1.3 points. This is synthetic.teach.DEMO_RECIPE,
-the base model of `run_search.py --demo` and of tests/test_learning.py; its base accuracy is below the 30-60% aimed
-for, the price of a model whose other-renderer errors are in the answer and not in what it sees.
-
-The base answers 2 to almost every row (the mode of the biased prior: 2 objects, and 3 taught as 2), so its accuracy
-is the share of 2-object rows. On this machine's CPU (2 cores; the model taught on the CPU ends on the same plateau,
-answer loss 0.184), DEMO_RECIPE, teach seed 0, n_train 256, n_eval 200, GRPO seed 0, gains with their 95% interval
-(bench/results/2026-12-03-cpu-learning.jsonl): base 16.5 / 14.5; 40-step round image +18.0 [+8.9, +27.1] / +17.5
-[+9.2, +25.8] (GRPO seed 1: +15.0 [+9.8, +20.2] / +17.0 [+11.6, +22.4]), blank +0.0 / +0.0 in both (no greedy
-answer changed); 30-step round image +9.0 [+0.2, +17.8] / +20.0 [+12.0, +28.0], blank +0.0 / +0.0. (Other 0.25
-taught for 200 steps instead: the same base accuracy, and a 30-step round changes no greedy answer.)
-tests/test_learning.py asserts the 40-step figures' margins.
-
-The plateau is where teach seed 0 stops, not where every seed does. DEMO_RECIPE taught on the H200 with seeds 1 and
-2 (n_eval 300, blank control only, GRPO seed 0) left it: base 41.3 / 31.3 and 37.0 / 31.0, in the 30-60% range,
-and there the round does nothing beyond noise: image +0.3 / +0.0 and -2.3 [-4.9, +0.2] / +3.0 [+0.5, +5.5]; blank
--37.0 / -22.7 (seed 1: the round on blanked images broke its format) and +0.0 / -0.3. What a round teaches here is
-to read the tower's count when the answer ignored it; a model that already reads it is not improved by one round.
-
-What bounds the different-renderer split (why the search ties the inherited baseline there: README, "Does it
-learn?"). H200, n_eval 300, accuracy after one round, compositional / other; "baseline-like" is this script's
-round with the demo baseline's optimizer (full fine-tuning, lr 1e-4, 20 steps; the accuracy reward and the eval
-phrasing, not the baseline's think-format reward and inherited phrasing):
-
-    taught model (base comp / other)           round                               after comp / other
-    DEMO_RECIPE, 400 steps (17.7 / 15.3)       default, GRPO seeds 0 1             38.3 / 31.7, 43.0 / 33.3
-                                               120 steps, GRPO seeds 0 1           format lost, 45.0 / 32.7
-                                               80 steps x 16 generations           33.7 / 32.7
-    other rows tower-only (36.0 / 28.7)        120 steps                           42.7 / 36.0
-    DEMO_RECIPE, 800 steps (37.0 / 38.3)       default; baseline-like              43.3 / 42.0; 42.3 / 42.0
-    DEMO_RECIPE, 1200 steps (53.0 / 37.7)      default, GRPO seeds 0 1             50.7 / 44.3, 49.7 / 43.3
-                                               baseline-like; 80 steps of it       53.0 / 45.0; 48.7 / 41.3
-                                               120 steps at lr 2e-3; at 1e-3       45.7 / 39.0; 51.0 / 43.7
-    DEMO_RECIPE, 1200 steps, teach seed 1      default; baseline-like              39.7 / 33.3; 41.3 / 32.7
-      (31.7 / 29.3)
-
-Each taught model's "other" accuracy ends in a band of its own (31-36, 39-45), whatever the round, and a 20-step
-round with the baseline's optimizer already reaches it: the band is what the taught tower reads of the other
-renderer, which rounds on condition-A images do not change (nor, above, training the tower itself). Longer SFT
-raises the band (33 -> 45) but moves the base into the answer-reads-the-tower regime where rounds gain less. (Also
-tried: other rows tower-only for 1200 steps, base 17.7 / 15.3: neither round changed an answer.)
-
-The baseline itself (`--warm-start baseline`: the demo's baseline warm start as it is, with its think-format reward,
-KL 0.04, GRPO loss and inherited phrasing, not only its optimizer) does not reach the band. H200, DEMO_RECIPE, teach
-seed 0, n_eval 300, accuracy after one round, compositional / other, GRPO seeds 0-5:
-
-    GRPO seed   default round   --warm-start baseline   --warm-start strong (LoRA 8, lr 1e-3, 20 steps)
-    0           38.3 / 31.7     17.7 / 15.3             25.7 / 20.0
-    1           43.0 / 33.3     27.7 / 25.0             18.7 / 17.3
-    2           37.7 / 30.0     25.7 / 21.7
-    3           41.0 / 33.3     17.7 / 15.3
-    4           39.0 / 32.0     28.0 / 24.0
-    5           44.3 / 35.3     23.3 / 24.0
-
-So on "other" the default round beats the baseline by 8.0 to 18.0 points in every seed (the baseline changes no
-answer in two of the six). The same screen on other taught models (GRPO seeds 0 1) finds no such gap where the base
-already reads the tower: undercount 0.9 (base 27.3 / 33.0) ends at 34-36 on "other" whatever the round, undercount
-1.0 (38.7 / 39.0) is not moved by any, and tower-first 1200 + 150 (32.7 / 34.3) ends at 41-42 with the default
-round and the baseline alike. Why the search of `run_search.py --demo` tied the baseline on "other" until then: its
-box rendered the train split with the taught model's seed, so its GRPO rows were the very scenes the SFT was taught
-on, and there the baseline's round reached the band (28.7-30.0% on fresh rows). The demo box now renders from another
-seed (run_search.DEMO_BOX_SEED_OFFSET), as this script's train rows always did; bench/search_vs_baseline.py has the
-search's figures before and after.
-
-A tower taught first (`--tower-steps`, synthetic.teach.Recipe.tower_steps: steps of the per-cell loss alone before
-the answer is taught, as a real model's vision is pretrained before it learns to count). H200, DEMO_RECIPE's rows,
-n_eval 300, GRPO seed 0, after one round (bench/results/2026-12-03-h200-tower-steps.txt and -learning.jsonl):
-
-    tower + answer steps (base comp / other)   default round: comp / other    baseline-like: comp / other
-    800 + 100 (31.3 / 35.3)                    46.3 / 41.0                    35.7 / 29.7
-    1200 + 150 (32.7 / 34.3)                   51.7 / 42.3                    46.0 / 42.0
-    800 + 200 (38.3 / 36.7)                    44.0 / 40.0                    44.7 / 41.0
-    800 + 400 (51.7 / 37.0)                    52.0 / 46.7                    54.3 / 49.3
-
-Base accuracies now in the 30-60% aimed for on both held-out splits, and the default round gains on both beyond
-noise with the shorter answer phases (1200 + 150: +19.0 [+14.3, +23.7] / +8.0 [+3.7, +12.3]); the baseline-like
-round matches it on "other" except at 800 + 100. On this machine's CPU (bench/results/2026-12-03-cpu-learning.jsonl),
-1200 + 150 is the same kind of model: base 30.7 / 33.0, default round 46.3 / 43.7 (+15.7 [+11.0, +20.4] / +10.7
-[+6.5, +14.8]), baseline-like 44.7 / 43.7; 800 + 100 is not (base 46.0 / 39.7, and both rounds lower it: -13.3 /
--2.0 and -12.0 / -9.7). So 1200 + 150 is a candidate for the demo's taught model, with its base in range on both
-machines, and its "other" split is still reached by the baseline-like round; one GRPO seed each, no controls yet.
+generations, temperature 1 (~7-8 s a step on 2 CPU cores). What it measured, on which taught models and machines:
+bench/results/2026-12-03-learning-notes.md.
 """
 
 from __future__ import annotations
@@ -312,10 +168,10 @@ class RoundRecipe:
 
     @classmethod
     def from_warm_start(cls, name: str, seed: int = 0) -> "RoundRecipe":
-        """The round of the demo's warm start `name` (search/demo_budget.yaml), with the demo's prompts per step."""
+        """The round of the demo's warm start `name` (demo_budget.yaml), with the demo's prompts per step."""
         import yaml
 
-        from run_search import DEMO_BUDGET
+        from search.settings import DEMO_BUDGET
 
         budget = yaml.safe_load(DEMO_BUDGET.read_text())
         recipes = {w["name"]: w["params"] for w in budget["warm_starts"]}

@@ -11,35 +11,7 @@ round's merged model is still there to score. The demo's taught model and box (u
 demo and built by the search when missing. Figures: accuracy with its Wilson 95% interval, and the paired difference
 promoted - baseline on the same rows with its 95% interval (bench/learning.py's statistics).
 
-Measured (teach seed 0; bench/results/2026-12-03-{cpu,h200}-search-vs-baseline.*). First with the demo box rendered
-from the budget's seed, whose train rows were the taught model's own SFT scenes:
-- This machine's CPU (2 cores), --hours 0.25, the demo budget before rounds_per_slot and the 200-row ood_val: five
-  trials; the baseline led on its 48 ood_val rows, so promoted - baseline +0.0 on both splits.
-- One H200, --hours 0.1, one round at a time: three trials (strong 27.0%, baseline 32.5%, one pruned); the baseline
-  was promoted, +0.0. Base -> baseline: other 15.0% -> 28.7%, compositional 13.7% -> 35.3%.
-- One H200, --hours 0.12, rounds_per_slot 4: 19 trials; promoted trial 2 (LoRA 8, lr 4.8e-4, 40 steps,
-  41.5% on ood_val against the baseline's 32.5%). On 300 fresh rows: compositional 41.3% against 35.3%, +6.0
-  [+2.5, +9.5]; other 30.7% against 28.7%, +2.0 [-1.8, +5.8]. Rescored on 1000 other fresh rows: compositional +5.0
-  [+3.1, +6.9], other +0.7 [-1.5, +2.9]. The search beats the baseline on the compositional split, not on the
-  different-renderer one: ood_val interleaves the two kinds, and its 9-point lead there did not carry to the other.
-- This machine's CPU, --hours 1.0, the same budget: 25 trials, 22 completed (3 pruned); promoted trial 8 (LoRA 8,
-  lr 3e-3, 10 steps, 41.5% on ood_val against 32.5%). On 300 fresh rows: compositional 37.3% against 31.0%, +6.3
-  [+1.0, +11.6]; other 28.7% against 27.7%, +1.0 [-4.4, +6.4].
-- One H200, --hours 0.12, with the demo's strong warm start changed to the round bench/learning.py measured best
-  (LoRA 16, lr 2e-3, 40 steps; not kept): 15 trials, the strong one promoted (35.5% on ood_val against 32.5%); on
-  1000 fresh rows other -0.6 [-2.2, +1.0], compositional -1.7 [-3.4, +0.0].
-So on both machines the search's model beat the inherited baseline on the compositional split at best and tied it on
-the different-renderer one, where the baseline's round reached 28.7-30.0%, as high as any round's. Per round, on
-scenes the SFT never saw, the baseline stays far below (bench/learning.py, `--warm-start baseline`: 15-25% on
-"other" over six seeds, against 30-35% for its default round). With the demo box rendered from unseen scenes
-(run_search.DEMO_BOX_SEED_OFFSET, this commit's demo):
-- One H200, --hours 0.1: 8 trials (2 pruned); promoted trial 4 (full fine-tuning, lr 7.1e-5, 40 steps, accuracy x2,
-  no KL; 33.5% on ood_val against the baseline's 28.0%). On 1000 fresh rows: other 29.8% against 21.3%, +8.5 [+5.6,
-  +11.4]; compositional 33.1% against 25.8%, +7.3 [+4.0, +10.6].
-- This machine's CPU, --hours 0.5: 7 trials (2 pruned, 1 stopped at the deadline); promoted trial 2 (LoRA 8, lr
-  4.8e-4, 40 steps; 26.0% on ood_val against 16.5%). On 300 fresh rows: other 25.7% against 15.0%, +10.7 [+6.1,
-  +15.2]; compositional 29.0% against 13.7%, +15.3 [+11.1, +19.5]. The baseline's round changed no answer of the base.
-So on both machines the search's model beats the inherited baseline on both held-out splits; one search each.
+What it measured: bench/results/2026-12-03-search-vs-baseline-notes.md.
 """
 
 from __future__ import annotations
@@ -57,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.learning import accuracy_entry, paired_difference, score  # noqa: E402
-from run_search import DEMO_BUDGET  # noqa: E402
+from search.settings import DEMO_BUDGET  # noqa: E402
 from search.leaderboard import BASELINE  # noqa: E402  (the warm start the leaderboard compares against)
 
 KINDS = ("other", "compositional")
@@ -160,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=ROOT / "built" / "search-vs-baseline")
     parser.add_argument("--n-eval", type=int, default=300, help="rows scored per kind")
     parser.add_argument("--seed", type=int, default=1,
-                        help="seed of the scored rows (not the demo box's: run_search.DEMO_BOX_SEED_OFFSET apart)")
+                        help="seed of the scored rows (not the demo box's: synthetic.demo.DEMO_BOX_SEED_OFFSET apart)")
     parser.add_argument("--device", default="cpu", help="where the models are scored (cpu, cuda)")
     parser.add_argument("--score-only", action="store_true", help="score the study already under --work")
     parser.add_argument("--out", type=Path, help="append the result as a JSON line here")

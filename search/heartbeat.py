@@ -8,11 +8,12 @@ was written, for the dashboard to show; whether it moves is all that the other w
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
 import optuna
+
+from search.log import warn
 
 HEARTBEAT_ATTR = "heartbeat"
 
@@ -64,8 +65,7 @@ class Heartbeat:
                     if trial_id in self._trials:
                         self._lost.add(number)
             except Exception as error:  # noqa: BLE001 - a database hiccup: the next beat tries again
-                print(f"warning: heartbeat of round {number}: {type(error).__name__}: {error}", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                warn(f"warning: heartbeat of round {number}: {type(error).__name__}: {error}")
 
     def _run(self) -> None:
         while not self._stopped.wait(self._interval_s):

@@ -30,6 +30,7 @@ from optuna.trial import TrialState
 
 from search import verification
 from search.folders import inside
+from search.log import warn
 
 MARKER = "PROMOTED.json"
 _LOG = logging.getLogger(__name__)
@@ -288,7 +289,7 @@ def _keep_aside(previous: Path, submission: Path) -> None:
         aside = submission.with_name(f"{submission.name}.before-search")
         if not aside.exists():
             os.rename(previous, aside)
-            _LOG.warning("kept the submission found before the search in %s", aside)
+            warn(f"warning: kept the submission found before the search in {aside}")
             return
     _remove(previous)
 

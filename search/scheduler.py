@@ -31,7 +31,6 @@ import contextlib
 import math
 import os
 import socket
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from search.backend import TIMING_KEYS, Backend, RoundHandle, RoundOutcome
 from search.clock import Clock
 from search.duration import DurationModel
 from search.heartbeat import HEARTBEAT_ATTR, Heartbeat
+from search.log import say, warn
 from search.study import FINAL_CHECK_ATTR
 from search.verification import CHECK_ROWS
 from trainer.config import ConfigError, TrialConfig
@@ -125,8 +125,8 @@ class Scheduler:
     ):
         """`promote(outcome, trial) -> bool` is called with a round that beats the best promoted score (None: the
         real promotion into `settings.submission_path`; a simulated search passes a recorder). `on_round_end(trial,
-        outcome)` runs after each round is told (run_search writes the leaderboard there); `on_round_scored(trial,
-        outcome)` just before, with the live trial (run_search attaches the round's plot to it: Optuna takes no
+        outcome)` runs after each round is told (search.hooks writes the leaderboard there); `on_round_scored(trial,
+        outcome)` just before, with the live trial (search.hooks attaches the round's plot to it: Optuna takes no
         artifact on a finished trial). `final_check(gpus) -> (passed, line)` checks the submission in the reserve
         (None: the real `search.promotion.final_check` with the real promotion, nothing with a recorder)."""
         self.settings = settings
@@ -607,8 +607,7 @@ class Scheduler:
             if attrs.get("promoted") and t.value is not None and (self._best is None or t.value > self._best[0]):
                 self._best = (t.value, t.number)
         if unreadable:
-            print(f"warning: {unreadable} finished round(s) of the study have unreadable timings; not learnt from",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            warn(f"warning: {unreadable} finished round(s) of the study have unreadable timings; not learnt from")
         if self._into_submission:
             # What this box's submission holds, not the study's best promoted trial: with several boxes on one study
             # each promotes into its own submission folder, and a box that joins late must still fill its own.
@@ -696,7 +695,7 @@ class Scheduler:
         return f"best ood {self._best[0]:.1f}% (round {self._best[1]})" if self._best else "nothing promoted yet"
 
     def _say(self, now: float, message: str) -> None:
-        print(f"[search {_minutes(self.deadline - now)} left] {message}", flush=True)
+        say(f"[search {_minutes(self.deadline - now)} left] {message}")
 
 
 def _set_user_attrs(trial: optuna.Trial, attrs: dict) -> None:

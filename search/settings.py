@@ -29,6 +29,9 @@ from trainer import validation
 from trainer.config import ConfigError, TrialConfig
 from trainer.validation import InvalidValue, show, show_key
 
+# The budget files beside the package folders: an editable install (the README's) runs from the project itself.
+BUDGET = Path(__file__).resolve().parents[1] / "budget.yaml"
+DEMO_BUDGET = BUDGET.with_name("demo_budget.yaml")  # `--demo`: a small model and a synthetic box, on a CPU
 HOURS_MAX = 168  # a week: longer than any search this project runs, short enough that every deadline is a real time
 MINUTES_MAX = HOURS_MAX * 60  # the bound of every *_minutes key
 GPUS_MAX = 64  # per box: more than any one machine holds

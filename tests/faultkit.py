@@ -182,7 +182,7 @@ def write_budget(folder: Path, **changes) -> Path:
     """The demo budget (tiny-model sized) with `changes`, written as folder/budget.yaml."""
     import yaml
 
-    data = yaml.safe_load((ROOT / "search" / "demo_budget.yaml").read_text())
+    data = yaml.safe_load((ROOT / "demo_budget.yaml").read_text())
     data.update(changes)
     path = folder / "budget.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))

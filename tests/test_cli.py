@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,19 +146,19 @@ def test_simulate_runs_a_whole_search_without_a_box(tmp_path):
 def test_the_demo_rerenders_a_box_of_other_sizes_or_seed(tmp_path, monkeypatch):
     """A box rendered by an older demo (other row counts, another seed, or no marker) is not reused."""
     monkeypatch.syspath_prepend(str(ROOT))
-    from run_search import _demo_box_is, _render_demo_box
+    from synthetic.demo import demo_box_is, render_demo_box
     from synthetic.splits import write_box
     from synthetic.teach import Recipe
 
     sizes = {"train": 3, "val": 2, "ood_val": 4, "test_compositional": 2, "test_other": 2}
     recipe = Recipe(image_size=(32, 32), count_range=(1, 3))
-    assert not _demo_box_is(tmp_path / "box", sizes, 1000)  # nothing rendered yet
-    _render_demo_box(tmp_path / "box", sizes, 1000, recipe)
-    assert _demo_box_is(tmp_path / "box", sizes, 1000)
-    assert not _demo_box_is(tmp_path / "box", {**sizes, "ood_val": 5}, 1000)
-    assert not _demo_box_is(tmp_path / "box", sizes, 0)
+    assert not demo_box_is(tmp_path / "box", sizes, 1000)  # nothing rendered yet
+    render_demo_box(tmp_path / "box", sizes, 1000, recipe)
+    assert demo_box_is(tmp_path / "box", sizes, 1000)
+    assert not demo_box_is(tmp_path / "box", {**sizes, "ood_val": 5}, 1000)
+    assert not demo_box_is(tmp_path / "box", sizes, 0)
     write_box(tmp_path / "older", sizes, 1000, image_size=(32, 32), count_range=(1, 3))  # before the marker
-    assert not _demo_box_is(tmp_path / "older", sizes, 1000)
+    assert not demo_box_is(tmp_path / "older", sizes, 1000)
 
 
 def test_two_rehearsals_started_in_the_same_second_get_two_studies(tmp_path, monkeypatch):
@@ -167,13 +168,35 @@ def test_two_rehearsals_started_in_the_same_second_get_two_studies(tmp_path, mon
     monkeypatch.syspath_prepend(str(ROOT))
     monkeypatch.chdir(tmp_path)
     import run_search
-    from search import scheduler
+    from search import run, scheduler
     from search.study import open_storage
 
     monkeypatch.setattr(scheduler.Scheduler, "run", lambda self: None)  # the names are the point, not the search
-    monkeypatch.setattr(run_search.time, "strftime", lambda *args: "20270101-000000")  # one and the same second
+    monkeypatch.setattr(run.time, "strftime", lambda *args: "20270101-000000")  # one and the same second
     with contextlib.redirect_stdout(io.StringIO()):
         assert run_search.main(["--simulate"]) == 0
         assert run_search.main(["--simulate"]) == 0
     names = [s.study_name for s in open_storage("simulated/study.db", create=False).get_all_studies()]
     assert len(set(names)) == 2 and all(name.startswith("count-grpo-sim-20270101-000000-") for name in names)
+
+
+def test_search_log_holds_every_printed_line_with_its_time(tmp_path):
+    result = run(tmp_path, "--simulate", "--hours", "2", "--study-name", "logged")
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout.splitlines()
+    assert "; log: simulated/search.log;" in printed[0] and printed[-1] == "log: simulated/search.log"
+    stamped = (tmp_path / "simulated" / "search.log").read_text().splitlines()
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d .*", line) for line in stamped), stamped[:3]
+    logged = [line[len("2027-01-01 00:00:00 "):] for line in stamped]
+    optuna_lines = [line for line in logged if line.startswith("A new study created")]  # Optuna's own, on stderr
+    assert len(optuna_lines) == 1 and optuna_lines[0] in result.stderr
+    assert [line for line in logged if line not in optuna_lines] == printed
+
+
+def test_a_storage_refused_after_the_budget_was_read_leaves_no_log(tmp_path):
+    (tmp_path / "sim").mkdir()
+    (tmp_path / "sim" / "study.db").write_text("not a journal\n")
+    before = _entries(tmp_path)
+    result = run(tmp_path, "--simulate", "--storage", "sim/study.db")
+    assert_refused(result, tmp_path, "storage: ", before=before)
+    assert not list(tmp_path.rglob("search.log"))

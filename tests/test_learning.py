@@ -60,11 +60,11 @@ def test_the_same_round_on_blank_images_does_not(learning, kind):
 
 
 def test_a_warm_start_round_is_the_demo_budgets_recipe():
-    """`bench/learning.py --warm-start NAME` trains the demo's warm start as written in search/demo_budget.yaml."""
+    """`bench/learning.py --warm-start NAME` trains the demo's warm start as written in demo_budget.yaml."""
     import yaml
 
     from bench.learning import RoundRecipe
-    from run_search import DEMO_BUDGET
+    from search.settings import DEMO_BUDGET
 
     budget = yaml.safe_load(DEMO_BUDGET.read_text())
     params = next(w["params"] for w in budget["warm_starts"] if w["name"] == "baseline")

@@ -16,7 +16,7 @@ from search.settings import HOURS_MAX, BoxError, Settings, SettingsError, check_
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = ROOT / "budget.yaml"
-DEMO_BUDGET = ROOT / "search" / "demo_budget.yaml"
+DEMO_BUDGET = ROOT / "demo_budget.yaml"
 
 
 def write_budget(folder: Path, changes: dict | None = None, removed: tuple[str, ...] = ()) -> Path:

@@ -227,11 +227,6 @@ class TrialConfig:
         return dataclasses.replace(self, **changes)
 
 
-def describe_fields() -> dict[str, str]:
-    """Field name -> its documentation (for --help and the leaderboard's legend)."""
-    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(TrialConfig)}
-
-
 def _int_range(name: str, value: Any, low: int, high: int) -> None:
     validation.integer(name, value, low=low, high=high, error=ConfigError)
 

@@ -191,9 +191,9 @@ def _load_model(config: TrialConfig, on_gpu: bool) -> Qwen2VLForConditionalGener
     model = Qwen2VLForConditionalGeneration.from_pretrained(config.model_path, dtype=dtype, attn_implementation="sdpa")
     if config.full_finetuning and not config.train_vision_tower:
         # By default full fine-tuning trains the language model (embeddings, decoder, tied LM head) and freezes the
-        # vision tower and its merger. R1-V trained everything, but its gain was format and answer length (language
-        # side), the OOD test is a different renderer (vision features fitted to the train renderer are the part most
-        # likely to transfer badly), and a frozen tower saves its gradients and AdamW state (~0.6B parameters).
+        # vision tower and its merger: what a round gains is mostly the answer's format and length (language side),
+        # the OOD test is a different renderer (vision features fitted to the train renderer are the part most likely
+        # to transfer badly), and a frozen tower saves its gradients and AdamW state (~0.6B parameters).
         # `train_vision_tower` lets the search try the other choice.
         model.model.visual.requires_grad_(False)
     return model

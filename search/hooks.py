@@ -1,0 +1,56 @@
+"""What a search does around each round besides running it: its plot, deleting old weights, the leaderboard.
+
+A failure in a hook is reported and the search goes on: hours of rounds outweigh a plot or a leaderboard.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from search.log import warn
+from search.settings import Settings
+
+
+def recorded_promotion(outcome, trial) -> bool:
+    """A simulated round's 'promotion': the scheduler records it on the trial; nothing is copied."""
+    return True
+
+
+class RoundPlot:
+    """Before a round is told: its plot (rewards, completion length, intermediate accuracy) attached to its trial,
+    where the dashboard shows it (Optuna takes no artifact on a finished trial)."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+
+    def __call__(self, trial, outcome) -> None:
+        from search.plots import artifact_dir, plot_round, upload_plot
+
+        try:
+            run_dir = Path(trial.user_attrs["run_dir"])
+            png = plot_round(run_dir, run_dir / f"round-{trial.number:04d}.png",
+                             title=f"round {trial.number}: {outcome.state}")  # fmt: skip
+            if png is not None:
+                upload_plot(trial, png, artifact_dir(self.settings.storage))
+        except Exception as exc:  # noqa: BLE001 - see the module docstring
+            warn(f"warning: plot of round {trial.number}: {type(exc).__name__}: {exc}")
+
+
+class RoundEnd:
+    """After each round is told: old weights deleted (`prune`), the leaderboard rewritten into `folder`."""
+
+    def __init__(self, settings: Settings, study, folder: Path, *, prune: bool):
+        self.settings, self.study, self.folder, self.prune = settings, study, folder, prune
+
+    def __call__(self, trial, outcome) -> None:
+        from search.leaderboard import write_leaderboard
+        from search.promotion import promoted, prune_run_dirs
+
+        try:
+            if self.prune:
+                held = (promoted(self.settings.submission_path) or {}).get("trial")
+                keep = {held} if isinstance(held, int) else set()  # the current best, whatever the study ranks
+                prune_run_dirs(self.study, self.settings.keep_rounds, self.settings.rounds_dir, keep=keep)
+            write_leaderboard(self.study, self.folder)
+        except Exception as exc:  # noqa: BLE001 - see the module docstring
+            warn(f"warning: after round {trial.number}: {type(exc).__name__}: {exc}")

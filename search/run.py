@@ -1,0 +1,199 @@
+"""A search, or a study's leaderboard, as the command line asks for it: the budget read, the box and the storage
+checked, the study opened, the scheduler run with its hooks, and what it leaves for its user to read.
+
+Bad input (budget, box, storage) is one line on stderr with exit code 2, before any model is loaded and before
+anything is written; a failure during the search is its traceback, exit code 1. No line shows a storage URL's
+password, in the terminal or in the log.
+
+What a search leaves to read (leaderboard.md, leaderboard.csv, search.log: every line it printed, with its time) goes
+next to the study's journal file. A database URL names no folder: they go into the folder the search is started from,
+which is each box's own when several share a study.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from search import log
+from search.settings import BUDGET, DEMO_BUDGET, Settings, SettingsError, check_box, load_settings
+from search.study import load_existing_study, open_study, redact
+from trainer.validation import InvalidValue
+
+# A rehearsal gets its own journal file and a fresh study each time, so it never mixes with the real study.
+SIMULATED_STORAGE = "simulated/study.db"
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What the command line asks for; None takes the budget file's value."""
+
+    leaderboard: bool = False  # print the study's leaderboard instead of searching
+    budget: Path | None = None  # default: budget.yaml, or demo_budget.yaml with `demo`
+    hours: str | None = None  # the command line's text, checked with the budget
+    storage: str | None = None
+    study_name: str | None = None
+    simulate: bool = False  # virtual clock and simulated rounds: no model, data or GPU
+    demo: bool = False  # build the demo's model and box first
+
+
+def run(request: Request, *, prog: str) -> int:
+    """Do what `request` asks; the exit code (0, 1 a failure, 2 bad input, 130 interrupted)."""
+    storage = {"in use": request.storage}  # the storage whose password no line may show, once the budget is read
+    with log.recording(lambda text: redact(text, storage["in use"])) as recording:
+        try:
+            if request.leaderboard:
+                return _print_leaderboard(request)
+            return _search(request, storage, recording)
+        except InvalidValue as exc:
+            log.warn(f"{prog}: error: {exc}")
+            return 2
+        except Exception:  # not bad input: a failure during the search, shown whole
+            log.warn(traceback.format_exc().rstrip("\n"))
+            return 1
+
+
+class _InputError(InvalidValue):
+    """Reading the input failed in a way no check foresaw; still one line, naming what was being read."""
+
+
+@contextlib.contextmanager
+def _reading(key: str) -> Iterator[None]:
+    """Whatever the budget, the box or the storage hold, reading them ends in one line and exit code 2: an exception
+    no check foresaw is reported with its type, under the key being read."""
+    try:
+        yield
+    except InvalidValue:
+        raise
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        raise _InputError(key, f"{type(exc).__name__}: {exc}") from None
+
+
+def _load(request: Request, **overrides: str | None) -> Settings:
+    budget = request.budget or (DEMO_BUDGET if request.demo else BUDGET)
+    values = {"hours": request.hours, "storage": request.storage, "study_name": request.study_name, **overrides}
+    return load_settings(budget, **values)
+
+
+def _print_leaderboard(request: Request) -> int:
+    from search.leaderboard import format_leaderboard
+
+    if request.simulate:
+        raise SettingsError("leaderboard", "--simulate is for a search; give the simulated study's --storage instead")
+    with _reading("budget"):
+        settings = _load(request)
+    with _reading("storage"):
+        board = format_leaderboard(load_existing_study(settings))
+    log.say(board)
+    return 0
+
+
+def _search(request: Request, storage: dict[str, str | None], recording: log.Recording) -> int:
+    with _reading("budget"):
+        settings = _load(request, storage=request.storage or SIMULATED_STORAGE) if request.simulate else _load(request)
+    storage["in use"] = settings.storage
+    if request.simulate and request.study_name is None:  # a fresh study per rehearsal, even two started in one second
+        name = f"{settings.study_name}-sim-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        settings = dataclasses.replace(settings, study_name=name)
+    if request.demo:
+        from synthetic.demo import build_demo
+
+        build_demo(settings.model_path, Path(settings.train_path).parent, settings.seed, say=log.say)
+    if not request.simulate:
+        with _reading("box"):
+            check_box(settings)  # before the study exists, so bad input leaves nothing behind
+
+    from search.clock import VirtualClock, WallClock
+    from search.hooks import RoundEnd, RoundPlot, recorded_promotion
+    from search.scheduler import Scheduler
+
+    clock = VirtualClock(start=time.time()) if request.simulate else WallClock()
+    with _reading("storage"):
+        study, deadline = open_study(settings, now=clock.now())
+    if request.simulate:
+        from search.simulated_backend import SimulatedBackend
+
+        backend = SimulatedBackend(settings, clock, seed=settings.seed)
+        promote = recorded_promotion
+    else:
+        from search.local_backend import LocalBackend
+        from search.promotion import recover_submission
+
+        with _reading("submission_path"):
+            recover_submission(settings.submission_path)
+        backend = LocalBackend(settings)
+        promote = None  # the Scheduler's own: search.promotion.promote into settings.submission_path
+    folder = results_folder(settings.storage)
+    recording.open(folder / log.LOG_NAME)  # the input passed every check: from here on the search writes
+    finished = sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
+    where = settings.storage if "://" not in settings.storage else "the database"
+    log.say(f"study {settings.study_name} in {where}: deadline {_clock_time(deadline)}, {finished} round(s) finished "
+            f"before; log: {recording.path}; watch it with: {_dashboard_command(settings.storage)}")  # fmt: skip
+    scheduler = Scheduler(
+        settings,
+        study,
+        deadline,
+        backend,
+        clock,
+        on_round_end=RoundEnd(settings, study, folder, prune=not request.simulate),
+        promote=promote,
+        on_round_scored=None if request.simulate else RoundPlot(settings),
+    )
+    try:
+        scheduler.run()
+    except KeyboardInterrupt:
+        log.warn("interrupted: running rounds were ended; the study and the submission are as they were")
+        return 130
+    finally:
+        from search.leaderboard import write_leaderboard
+
+        write_leaderboard(study, folder)
+    log.say(_summary(study, settings, recording.path, simulated=request.simulate,
+                     final_check=scheduler.final_check_result))  # fmt: skip
+    return 0
+
+
+def results_folder(storage: str) -> Path:
+    """Where the leaderboard and the log go: next to the study's journal file (the current folder for a URL)."""
+    return Path(storage).parent if "://" not in storage else Path(".")
+
+
+def _summary(
+    study, settings: Settings, log_path: Path, *, simulated: bool, final_check: tuple[bool, str] | None
+) -> str:
+    from search.leaderboard import format_leaderboard
+    from search.promotion import promoted
+
+    lines = [
+        format_leaderboard(study),
+        f"leaderboard: {results_folder(settings.storage) / 'leaderboard.md'}",
+        f"log: {log_path}",
+    ]
+    if not simulated:
+        marker = promoted(settings.submission_path)
+        lines.append(
+            f"submission: {settings.submission_path} holds trial {marker['trial']} ({marker.get('recipe') or 'round'}, "
+            f"{marker['accuracy']:.1f}% on ood_val)"
+            if marker
+            else f"submission: nothing promoted into {settings.submission_path}"
+        )
+    if final_check is not None and not final_check[0]:
+        lines.append(final_check[1])  # again last, where a user who reads only the end sees it
+    return "\n".join(lines)
+
+
+def _dashboard_command(storage: str) -> str:
+    if "://" in storage:
+        return "optuna-dashboard STORAGE_URL --artifact-dir artifacts"
+    from search.plots import artifact_dir
+
+    return f"optuna-dashboard {storage} --artifact-dir {artifact_dir(storage)}"
+
+
+def _clock_time(unix: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(unix))
