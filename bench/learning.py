@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--other-aux-only", action="store_true",
                         help="those rows teach the vision tower only (synthetic.teach.Recipe.other_aux_only)")
     parser.add_argument("--teach-steps", type=int, default=Recipe.steps, help="the taught model's SFT steps")
+    parser.add_argument("--teach-batch-size", type=int, default=Recipe.batch_size, help="the taught model's SFT rows "
+                        "per step (tests/test_learning.py teaches with 8)")
     parser.add_argument("--tower-steps", type=int, default=Recipe.tower_steps,
                         help="tower-only SFT steps before them (synthetic.teach.Recipe.tower_steps)")
     parser.add_argument("--n-eval", type=int, default=300)
@@ -331,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     results, scores = [], {}
     for seed in args.seeds:
         teach = Recipe(undercount_share=args.undercount_share, other_share=args.other_share,
-                       other_aux_only=args.other_aux_only, steps=args.teach_steps, tower_steps=args.tower_steps)
+                       other_aux_only=args.other_aux_only, steps=args.teach_steps, tower_steps=args.tower_steps,
+                       batch_size=args.teach_batch_size)
         setup = Setup(args.work, seed=seed, teach=teach, n_train=args.n_train, n_eval=args.n_eval, device=args.device)
         if args.base_only:  # also writes every split, so that runs started after it in parallel only read them
             prepare(setup)

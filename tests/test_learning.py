@@ -6,13 +6,15 @@ The model is the demo's (synthetic.teach.DEMO_RECIPE, teach seed 0: its answer i
 taught once for this module; the round is bench/learning.py's default with 4 generations per prompt instead of 8
 (`learning_round`: LoRA 16, lr 2e-3, 40 steps of 8 prompts x 4), on the real images and on blanked ones, each model
 scored greedily as the verifier scores on the same 200 rows of each split. The runs the margins come from, and the
-cheaper variants that lost the effect (CPU, teach seed 0, n 200): bench/results/2026-12-04-cpu-learning-test.md.
+cheaper variants that lost the effect (CPU, teach seed 0, n 200): bench/results/2026-12-04-cpu-learning-test.md and
+-cheaper.md (8 SFT rows a step, or 2 generations per prompt: no greedy answer changed).
 
 Margins: the image round's gain must reach MIN_GAIN with its paired 95% interval above 0, the blank round's stay at
 or below MAX_BLANK_GAIN, and the image round beat it by MIN_GAP, on each held-out split. Noise is the paired
 interval (half width ~8 points at n 200) and what a round gains without the image (+0.0 in every blank run so far).
-Measured with `learning_round`, GRPO seeds 0 and 1: image +23.0 / +16.0 and +23.0 / +16.5 (compositional / other,
-intervals from +7.6 up), blank +0.0 / +0.0; the smallest image gain clears the margins by 11 points.
+Measured with `learning_round`, GRPO seeds 0 (1 and 2 threads alike) and 1: image +23.0 / +16.0 and +23.0 / +16.5
+(compositional / other, intervals from +7.6 up), blank +0.0 / +0.0; the smallest image gain clears the margins by 11
+points.
 
 What this does not show: that a round improves every taught model. DEMO_RECIPE taught with seeds 1 and 2 (H200)
 starts far higher and one round barely moves it (bench/learning.py); the test pins teach seed 0.
