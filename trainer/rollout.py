@@ -84,6 +84,18 @@ class ReplicaGRPOTrainer(GRPOTrainer):
             self.rollout_generation_config.cache_implementation = "static"
             self.rollout_generation_config.disable_compile = False
 
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        # TRL turns checkpointing off for its no-grad log-probabilities and back on with `gradient_checkpointing_kwargs`
+        # as the checkpoint function's arguments: on every layer, `every_n_layers` passed on to the layers' forward.
+        # The configured layers are set again before the gradient pass.
+        kwargs = dict(self.args.gradient_checkpointing_kwargs or {})
+        every = kwargs.pop("every_n_layers", 1)
+        if self.args.gradient_checkpointing and every > 1:
+            model = self.accelerator.unwrap_model(self.model)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None, every_n_layers=every)
+        return output
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.use_vllm or self.use_transformers_continuous_batching or has_tool_images:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)

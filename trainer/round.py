@@ -39,9 +39,11 @@ from trl import GRPOConfig
 
 from evaluator.generation import generate_completions
 from evaluator.protocol import extract_answer, parse_gold
+from trainer import memory
 from trainer.config import ConfigError, TrialConfig
 from trainer.cpu_loss import completion_positions_only
 from trainer.data import build_ood_subset, build_train_dataset
+from trainer.kernels import apply_liger_kernels, use_liger
 from trainer.layout import BatchLayout, batch_layout
 from trainer.progress import FORMAT_RATE, PROGRESS_FILE, ProgressCallback, StopRequest, format_rate
 from trainer.rewards import build_reward_funcs
@@ -72,6 +74,9 @@ class RoundResult:
     timings: dict[str, float] = field(default_factory=dict)
     merged_dir: str | None = None
     output_dir: str = ""
+    # How the options left to the round resolved: `liger_kernels` (bool), `checkpoint_every` (0: no gradient
+    # checkpointing, n: every n-th layer), `estimated_peak_gb` (trainer.memory; None off CUDA).
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 def run_round(config: TrialConfig) -> RoundResult:
@@ -88,9 +93,10 @@ def run_round(config: TrialConfig) -> RoundResult:
     timings = {"setup": 0.0, "train": 0.0, "save": 0.0}
     state, reason, steps_done, merged = "failed", None, 0, None
     progress: ProgressCallback | None = None
+    settings: dict[str, Any] = {}
     try:
         layout = batch_layout(config, distributed.num_processes)
-        trainer, progress = _build_trainer(config, layout, start, stop, distributed.device)
+        trainer, progress = _build_trainer(config, layout, start, stop, distributed.device, settings)
         timings["setup"] = time.monotonic() - start
 
         began = time.monotonic()
@@ -124,7 +130,7 @@ def run_round(config: TrialConfig) -> RoundResult:
             if first is not None and first["rank"] != distributed.process_index:
                 reason = f"rank {first['rank']}: {first['reason']}"
         write_status(out, state, reason, steps_done, timings)
-    return RoundResult(state, reason, steps_done, timings, merged, str(out))
+    return RoundResult(state, reason, steps_done, timings, merged, str(out), settings)
 
 
 def _clear_previous_outputs(out: Path) -> None:
@@ -136,9 +142,12 @@ def _clear_previous_outputs(out: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------- building
 def _build_trainer(
-    config: TrialConfig, layout: BatchLayout, start: float, stop: StopRequest, device: torch.device
+    config: TrialConfig, layout: BatchLayout, start: float, stop: StopRequest, device: torch.device,
+    settings: dict[str, Any],
 ) -> tuple[ReplicaGRPOTrainer, ProgressCallback]:
+    """The trainer, ready to train; `settings` receives how the options left to the round resolved."""
     on_gpu = device.type == "cuda"
+    liger = use_liger(config, on_gpu)  # before any loading: a request that cannot be met fails at once
     reward_funcs, reward_weights = build_reward_funcs(config)
     train_dataset = build_train_dataset(config)
     if len(train_dataset) < layout.generation_prompts:
@@ -150,10 +159,20 @@ def _build_trainer(
     ood_rows = build_ood_subset(config)
 
     model = _load_model(config, on_gpu)
+    if liger:
+        apply_liger_kernels(model)
+    if config.compile_training and on_gpu:
+        # Regional compilation: the layers share their code, so one graph serves them all; compiled in place, the
+        # parameter names stay those the replica's sync and the save read.
+        for layer in model.model.language_model.layers:
+            layer.compile(dynamic=True)
+    checkpoint_every, peak = checkpoint_interval(config, model, layout, device)
+    settings.update(liger_kernels=liger, checkpoint_every=checkpoint_every,
+                    estimated_peak_gb=None if peak is None else round(peak / memory.GiB, 2))  # fmt: skip
     processor = _training_processor(config)
     if FORMAT_RATE not in config.reward_weights:  # else the configured reward of that name is logged as it
         reward_funcs, reward_weights = reward_funcs + [format_rate], reward_weights + [0.0]
-    args = _grpo_config(config, layout, reward_weights, on_gpu)
+    args = _grpo_config(config, layout, reward_weights, on_gpu, checkpoint_every)
     progress = ProgressCallback(
         config.output_dir,
         reward_names=list(config.reward_weights),
@@ -198,6 +217,35 @@ def _load_model(config: TrialConfig, on_gpu: bool) -> Qwen2VLForConditionalGener
     return model
 
 
+def checkpoint_interval(
+    config: TrialConfig, model: torch.nn.Module, layout: BatchLayout, device: torch.device
+) -> tuple[int, float | None]:
+    """(every how many layers to checkpoint, 0: none; the estimated peak in bytes of that choice, None off CUDA).
+
+    `gradient_checkpointing` as configured (true: 1, false: 0), else chosen by memory on CUDA (trainer.memory), every
+    layer when the vision tower trains (the estimate leaves its activations out), none on CPU."""
+    configured = config.gradient_checkpointing
+    if device.type != "cuda":
+        return (0 if configured is None else int(configured)), None
+    lora = _lora_config(config)
+    footprint = memory.footprint(
+        model,
+        lora_targets=None if lora is None else lora.target_modules,
+        lora_rank=config.lora_rank,
+        per_device_completions=layout.per_device_train_batch_size,
+        max_pixels=config.max_pixels,
+        max_completion_length=config.max_completion_length,
+        reference_model=config.full_finetuning and config.beta > 0,
+    )
+    if configured is not None:
+        every = int(configured)
+    elif config.train_vision_tower:
+        every = 1
+    else:
+        every = memory.choose_interval(footprint, torch.cuda.get_device_properties(device).total_memory)
+    return every, memory.peak_bytes(footprint, every)
+
+
 def _lora_config(config: TrialConfig) -> LoraConfig | None:
     if config.full_finetuning:
         return None
@@ -229,7 +277,9 @@ def _training_processor(config: TrialConfig) -> Any:
     return processor
 
 
-def _grpo_config(config: TrialConfig, layout: BatchLayout, reward_weights: list[float], on_gpu: bool) -> GRPOConfig:
+def _grpo_config(
+    config: TrialConfig, layout: BatchLayout, reward_weights: list[float], on_gpu: bool, checkpoint_every: int
+) -> GRPOConfig:
     # transformers' "constant" schedule ignores warmup; "constant_with_warmup" is the constant schedule with it.
     schedule = config.lr_schedule
     if schedule == "constant" and config.warmup_ratio > 0:
@@ -253,7 +303,11 @@ def _grpo_config(config: TrialConfig, layout: BatchLayout, reward_weights: list[
         max_completion_length=config.max_completion_length,
         reward_weights=reward_weights,
         bf16=on_gpu,  # GRPOConfig defaults bf16 to True, which on CPU would mean slow bf16 autocast
-        gradient_checkpointing=config.effective_gradient_checkpointing,
+        gradient_checkpointing=checkpoint_every > 0,
+        # transformers' selective checkpointing; every layer when 1 (trainer.rollout keeps it across TRL's toggling).
+        gradient_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": checkpoint_every}
+        if checkpoint_every > 1
+        else None,
         # Every trainable parameter is used in every step (every prompt has an image, so a trained vision tower is
         # too), so DDP need not search the graph for unused ones (TRL turns that search on for vision-language models).
         ddp_find_unused_parameters=False,
