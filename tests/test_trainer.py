@@ -125,8 +125,9 @@ def test_gradient_checkpointing_takes_a_switch_or_a_layer_interval(value):
         ("gradient_checkpointing", -2, "must be true, false, null or a layer interval"),
         ("gradient_checkpointing", 2.0, "must be true, false, null or a layer interval"),
         ("gradient_checkpointing", 4096, "must be true, false, null or a layer interval"),
-        ("liger_kernels", "yes", "must be true, false or null, got 'yes'"),
-        ("liger_kernels", 1, "must be true, false or null, got 1"),
+        ("liger_kernels", "yes", "must be true or false, got 'yes'"),
+        ("liger_kernels", 1, "must be true or false, got 1"),
+        ("liger_kernels", None, "must be true or false, got None"),
         ("compile_training", None, "must be true or false, got None"),
     ],
 )

@@ -84,14 +84,15 @@ class TrialConfig:
         "decoder layers; 1 is true). None: on CUDA the fewest checkpointed layers whose estimated peak fits the card "
         "(trainer/memory.py; every layer when the vision tower trains, whose activations it leaves out), none on CPU. "
         "Full fine-tuning of the 2B model, 8 x 256-token completions a step (H200): 31 GB peak with every layer, 41 GB "
-        "with none, whose step is 1.3x faster.",
+        "with none, whose step is 1.5x faster.",
         None,
     )
-    liger_kernels: bool | None = _help(
+    liger_kernels: bool = _help(
         "Run the policy's RMSNorm, SwiGLU MLP (and the vision tower's LayerNorm) as liger-kernel's Triton kernels "
-        "(the `gpu` extra: pip install '.[gpu]'); the loss stays TRL's. None: on where available (CUDA and the "
-        "package installed), off elsewhere; true: a round without them fails at set-up.",
-        None,
+        "(the `gpu` extra: pip install '.[gpu]'); the loss stays TRL's. A round without them (no CUDA, no package) "
+        "fails at set-up. Off by default: on an H200 they saved 3 GB of peak (41.1 -> 37.8 GB without checkpointing) "
+        "but made the step slower (0.82 -> 0.90 s).",
+        False,
     )
     compile_training: bool = _help(
         "Compile the policy's decoder layers for the training forward and backward (torch.compile per layer, in place, "
@@ -162,8 +163,7 @@ class TrialConfig:
                     f"must be true, false, null or a layer interval in [1, {MAX_CHECKPOINT_INTERVAL}], "
                     f"got {show(checkpointing)}",
                 )
-        if self.liger_kernels is not None and not isinstance(self.liger_kernels, bool):
-            raise ConfigError("liger_kernels", f"must be true, false or null, got {show(self.liger_kernels)}")
+        validation.boolean("liger_kernels", self.liger_kernels, error=ConfigError)
         _int_range("lora_rank", self.lora_rank, 0, 1024)
         if self.lora_alpha is not None:
             _num_range("lora_alpha", self.lora_alpha, 0.0, 1e6, low_open=True)

@@ -32,16 +32,13 @@ def liger_importable() -> bool:
 
 
 def use_liger(config: TrialConfig, on_gpu: bool) -> bool:
-    """Whether the round runs liger's kernels: `liger_kernels` None means where available (CUDA, package installed);
-    True where unavailable is a configuration error."""
-    if config.liger_kernels is False:
+    """Whether the round runs liger's kernels; requested where they cannot run is a configuration error."""
+    if not config.liger_kernels:
         return False
     if on_gpu and liger_importable():
         return True
-    if config.liger_kernels:
-        reason = "a CUDA device" if not on_gpu else INSTALL_HINT
-        raise ConfigError("liger_kernels", f"true needs liger-kernel's Triton kernels on CUDA; missing: {reason}")
-    return False
+    reason = "a CUDA device" if not on_gpu else INSTALL_HINT
+    raise ConfigError("liger_kernels", f"true needs liger-kernel's Triton kernels on CUDA; missing: {reason}")
 
 
 def apply_liger_kernels(model: torch.nn.Module) -> None:
