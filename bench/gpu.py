@@ -10,6 +10,10 @@ one results file with the headline ratios:
   LoRA r=64, group size 8 (`grpo_full_speedup`, `lora_vs_full`), peak memory of each;
 - profile (bench/grpo_profile.py): where full fine-tuning's step goes (rollout, old log-probs, forward, backward,
   optimizer), for the round as run and with one lever changed at a time;
+- vision (bench/eval_speed.py): the vision tower's attention once per image against the batched one
+  (evaluator.vision_attention), side by side on one model: the tower's seconds for one batch of --vision-batch-size
+  rows' images and the evaluator's examples/s on --vision-rows rows (`vision_tower_speedup`, `vision_eval_speedup`),
+  and the tower alone on 256 images of 448x448;
 - search: `run_search.py` for --search-minutes of real rounds on a synthetic 480x320 box, and from its study the
   seconds each round spent outside training and evaluation: start-up (launch to first step), merge and save,
   promotion (`overhead_fraction`: those seconds over a 30-minute round).
@@ -36,7 +40,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-SECTIONS = ("eval", "grpo", "profile", "search")
+SECTIONS = ("eval", "grpo", "profile", "vision", "search")
 ROUND_SECONDS = 30 * 60  # the issue's reference round
 
 
@@ -54,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-variants",
                         default="as_run,no_gradient_checkpointing,lora_as_run,lora_gradient_checkpointing")
     parser.add_argument("--trl-steps", type=int, default=4, help="steps of the TRL-defaults rounds")
+    parser.add_argument("--vision-batch-size", type=int, default=256)
+    parser.add_argument("--vision-rows", type=int, default=512, help="rows the evaluator scores each way")
     parser.add_argument("--search-minutes", type=float, default=8.0)
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
@@ -84,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
 
             figures = grpo_profile.measure(model, args.work / "profile", args.profile_variants.split(","),
                                            args.grpo_steps, args.grpo_generation_steps)  # fmt: skip
+        elif section == "vision":
+            from bench import eval_speed
+
+            split = _split(args.work / f"other-{args.eval_rows}", args.eval_rows)
+            figures = eval_speed.vision_attention(model, split, "cuda:0", args.vision_batch_size, args.vision_rows)
+            figures["tower_alone"] = eval_speed.vision_tower_speed("cuda:0", images=256, sides=(448,))
         else:
             figures = search_overhead(model, args.work / "search", args.search_minutes)
         figures["machine"] = _machine()
@@ -106,6 +118,9 @@ def _headline(results: dict[str, Any]) -> dict[str, Any]:
             headline["grpo_full_speedup"] = results["grpo"]["full"]["speedup"]
         if "lora_vs_full" in results["grpo"]:
             headline["lora_vs_full"] = results["grpo"]["lora_vs_full"]
+    if "vision" in results:
+        headline["vision_tower_speedup"] = results["vision"]["tower_speedup"]
+        headline["vision_eval_speedup"] = results["vision"]["eval_speedup"]
     if "overhead_fraction" in results.get("search", {}):
         headline["overhead_fraction"] = results["search"]["overhead_fraction"]
     return headline
