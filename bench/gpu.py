@@ -12,6 +12,10 @@ one results file with the headline ratios:
   LoRA r=64, group size 8 (`grpo_full_speedup`, `lora_vs_full`), peak memory of each;
 - profile (bench/grpo_profile.py): where full fine-tuning's step goes (rollout, old log-probs, forward, backward,
   optimizer) and its peak memory, for the round as run and with one lever changed at a time (--profile-variants);
+- vision (bench/eval_speed.py): the vision tower's attention once per image against the batched one
+  (evaluator.vision_attention), side by side on one model: the tower's seconds for one batch of --vision-batch-size
+  rows' images and the evaluator's examples/s on --vision-rows rows (`vision_tower_speedup`, `vision_eval_speedup`),
+  and the tower alone on 256 images of 448x448;
 - search: `run_search.py` for --search-minutes of real rounds on a synthetic 480x320 box, and from its study the
   seconds each round spent outside training and evaluation: start-up (launch to first step), merge and save,
   promotion (`overhead_fraction`: those seconds over a 30-minute round).
@@ -40,7 +44,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-SECTIONS = ("eval", "eval_1k", "decode_profile", "grpo", "profile", "search")
+SECTIONS = ("eval", "eval_1k", "decode_profile", "grpo", "profile", "vision", "search")
 ROUND_SECONDS = 30 * 60  # the issue's reference round
 # The profile's default variants: ~40-60 s each on an H200 after the first (which compiles the rollout), so these and
 # building the model fit one 10-minute call.
@@ -63,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-variants", default=",".join(PROFILE_VARIANTS),
                         help="comma-separated names of bench/grpo_profile.py's VARIANTS")  # fmt: skip
     parser.add_argument("--trl-steps", type=int, default=4, help="steps of the TRL-defaults rounds")
+    parser.add_argument("--vision-batch-size", type=int, default=256)
+    parser.add_argument("--vision-rows", type=int, default=512, help="rows the evaluator scores each way")
     parser.add_argument("--search-minutes", type=float, default=6.0)
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
@@ -116,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "profile":
             figures = grpo_profile.measure(model, args.work / "profile", variants, args.grpo_steps,
                                            args.grpo_generation_steps, on_variant=record)  # fmt: skip
+        elif section == "vision":
+            from bench import eval_speed
+
+            split = _split(args.work / f"other-{args.eval_speed_rows}", args.eval_speed_rows)
+            figures = eval_speed.vision_attention(model, split, "cuda:0", args.vision_batch_size, args.vision_rows)
+            figures["tower_alone"] = eval_speed.vision_tower_speed("cuda:0", images=256, sides=(448,))
         else:
             figures = search_overhead(model, args.work / "search", args.search_minutes)
         record(figures, done=True)
@@ -151,6 +163,9 @@ def _headline(results: dict[str, Any]) -> dict[str, Any]:
             headline["grpo_full_speedup"] = results["grpo"]["full"]["speedup"]
         if "lora_vs_full" in results["grpo"]:
             headline["lora_vs_full"] = results["grpo"]["lora_vs_full"]
+    if "vision" in results:
+        headline["vision_tower_speedup"] = results["vision"]["tower_speedup"]
+        headline["vision_eval_speedup"] = results["vision"]["eval_speedup"]
     if "overhead_fraction" in results.get("search", {}):
         headline["overhead_fraction"] = results["search"]["overhead_fraction"]
     return headline

@@ -140,6 +140,19 @@ def test_speed_options_refuse_what_they_cannot_mean(option, value, message):
         TrialConfig(model_path="m", train_path="t", output_dir="o", **{option: value})
 
 
+def test_batched_vision_attention_is_true_false_or_null(tmp_path):
+    from trainer.config import ConfigError, TrialConfig
+
+    paths = dict(model_path="m", train_path="t", output_dir="o")
+    assert TrialConfig(**paths).batched_vision_attention is None  # the trainer picks by device
+    for value in (True, False, None):
+        TrialConfig(**paths, batched_vision_attention=value).to_json(tmp_path / "trial.json")
+        assert TrialConfig.from_json(tmp_path / "trial.json").batched_vision_attention is value
+    for bad in ("yes", 1):
+        with pytest.raises(ConfigError, match="^batched_vision_attention: must be true, false or null"):
+            TrialConfig(**paths, batched_vision_attention=bad)
+
+
 def test_bad_config_exits_2_with_one_line(tmp_path, tiny_model_dir, splits):
     bad_path = write_trial(tmp_path, tmp_path / "no_model", splits)
     result = run([sys.executable, "-m", "trainer", "--config", str(bad_path)], timeout=60)
@@ -246,6 +259,7 @@ def test_replica_synced_from_a_fully_fine_tuned_policy_computes_what_it_computes
             if parameter.requires_grad:
                 parameter.add_(0.05 * torch.randn_like(parameter))
     replica = RolloutReplica(tiny_model_dir, torch.float32, torch.device("cpu"))
+    assert replica.model.config.vision_config._attn_implementation == "sdpa"  # the batched attention: GPU default
     ids = torch.randint(0, 3000, (2, 12))
     with torch.no_grad():
         stale = replica.model(input_ids=ids).logits
@@ -345,9 +359,11 @@ def test_train_vision_tower_trains_the_tower_and_the_language_model(tmp_path, ti
     from trainer.round import run_round
 
     monkeypatch.setitem(rewards.REWARDS, "token_parity", token_parity)
+    # The LoRA round trains the tower through the batched vision attention (off by default on a CPU).
     trial = json.loads(write_trial(tmp_path, tiny_model_dir, splits, lora_rank=lora_rank, steps=2,
                                    learning_rate=1e-2 if lora_rank else 1e-3, prompts_per_step=2,
-                                   reward_weights={"token_parity": 1.0}, train_vision_tower=True).read_text())
+                                   reward_weights={"token_parity": 1.0}, train_vision_tower=True,
+                                   batched_vision_attention=bool(lora_rank)).read_text())  # fmt: skip
     result = run_round(TrialConfig(**trial))
     assert result.state == "completed", result.reason
     changed = changed_weights(tiny_model_dir, tmp_path / "run" / "merged")

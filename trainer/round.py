@@ -39,6 +39,7 @@ from trl import GRPOConfig
 
 from evaluator.generation import generate_completions
 from evaluator.protocol import extract_answer, parse_gold
+from evaluator.vision_attention import default_enabled, use_batched_vision_attention
 from trainer import memory
 from trainer.config import ConfigError, TrialConfig
 from trainer.cpu_loss import completion_positions_only
@@ -158,7 +159,12 @@ def _build_trainer(
         )
     ood_rows = build_ood_subset(config)
 
+    batched_vision_attention = config.batched_vision_attention
+    if batched_vision_attention is None:
+        batched_vision_attention = default_enabled(device)
     model = _load_model(config, on_gpu)
+    if batched_vision_attention:  # the policy's forwards (old log-probs, training) run the tower too, frozen or not
+        use_batched_vision_attention(model)
     if liger:
         apply_liger_kernels(model)
     if config.compile_training and on_gpu:
@@ -181,7 +187,9 @@ def _build_trainer(
         eval_every=config.eval_every if ood_rows is not None else 0,
     )
     # The base checkpoint's dtype on GPU (bfloat16 for Qwen2-VL-2B) for the replica the rollouts are sampled from.
-    replica = RolloutReplica(config.model_path, torch.bfloat16 if on_gpu else torch.float32, device)
+    replica = RolloutReplica(
+        config.model_path, torch.bfloat16 if on_gpu else torch.float32, device, batched_vision_attention
+    )
     trainer = ReplicaGRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,  # with `format_rate` at weight 0: a logged diagnostic, see trainer.progress
