@@ -22,7 +22,7 @@ from evaluator.data import DataError, load_split, subset_indices, validate_solut
 from evaluator.generation import Completion, generate_completions
 from evaluator.protocol import GENERATION_KWARGS
 from evaluator.report import build_report
-from evaluator.vision_attention import default_enabled, use_batched_vision_attention
+from evaluator.vision_attention import use_batched_vision_attention
 
 # Decoding costs about the same per step whatever the batch on a GPU, so big batches are nearly free throughput;
 # 128 rows of 480x320 images fit a 48 GB card with room to spare. On a CPU, small batches waste less on padding.
@@ -48,7 +48,7 @@ def evaluate(
     num_samples: int = 5,
     static_cache: bool = True,
     max_new_tokens: int = GENERATION_KWARGS["max_new_tokens"],
-    batched_vision_attention: bool | None = None,
+    batched_vision_attention: bool = False,
 ) -> dict[str, Any]:
     """The report of `model_dir` on the split folder `data` (see `report.build_report` for the scores).
 
@@ -73,8 +73,6 @@ def evaluate(
     on_gpu = torch.device(devices[0]).type == "cuda"
     batch_size = batch_size or (DEFAULT_GPU_BATCH_SIZE if on_gpu else DEFAULT_CPU_BATCH_SIZE)
     static_cache = static_cache and on_gpu  # it compiles the decode step only on a GPU; on a CPU it only costs
-    if batched_vision_attention is None:
-        batched_vision_attention = default_enabled(devices[0])
     # Strided shards: each worker gets the same mix of prompt lengths, so they finish together.
     shards = [list(range(worker, len(rows), len(devices))) for worker in range(len(devices))]
     shards = [shard for shard in shards if shard]
@@ -129,12 +127,13 @@ def check_model_dir(path: str | Path) -> Path:
 
 
 def load_model(
-    model_dir: str | Path, device: str, batched_vision_attention: bool | None = None
+    model_dir: str | Path, device: str, batched_vision_attention: bool = False
 ) -> tuple[Any, Any]:
     """The model in eval mode on `device` (bf16 with sdpa attention on a GPU, float32 on a CPU) and its processor.
 
     batched_vision_attention: the vision tower attends to a whole batch of images in one call
-    (`evaluator.vision_attention`) instead of once per image; None: on a GPU only (`default_enabled`).
+    (`evaluator.vision_attention`) instead of once per image. Off by default: on a CPU it measured no faster, and
+    on a GPU its speed is not measured yet while its bf16 rounding differs from the verifier's per-image path.
     """
     on_gpu = torch.device(device).type == "cuda"
     model = Qwen2VLForConditionalGeneration.from_pretrained(
@@ -143,8 +142,6 @@ def load_model(
         attn_implementation="sdpa",
         device_map={"": device},
     )
-    if batched_vision_attention is None:
-        batched_vision_attention = default_enabled(device)
     if batched_vision_attention:
         use_batched_vision_attention(model)
     return model.eval(), AutoProcessor.from_pretrained(model_dir)

@@ -49,12 +49,6 @@ def use_batched_vision_attention(model: torch.nn.Module, enabled: bool = True) -
     model.set_attn_implementation({"vision_config": ATTENTION_NAME if enabled else "sdpa"})
 
 
-def default_enabled(device: str | torch.device) -> bool:
-    """Where it pays: on a GPU (one kernel instead of a launch per image and layer). On a CPU the per-image calls
-    are not what costs, and batching them measured no faster (bench/eval_speed.py `vision_tower_speed`)."""
-    return torch.device(device).type == "cuda"
-
-
 def varlen_applies(query: torch.Tensor) -> bool:
     """Whether `query` goes to torch's varlen kernel (CUDA, half precision, torch >= 2.10), else grouped SDPA."""
     return _VARLEN_OK and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)

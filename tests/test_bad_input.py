@@ -462,7 +462,7 @@ CASES = [
     value("fixed_scale_rewards_unknown", {"fixed.scale_rewards": "weird"}, "fixed.scale_rewards: must be one of"),
     value("fixed_warmup_too_long", {"fixed.warmup_ratio": 0.9}, "fixed.warmup_ratio: must be in [0.0, 0.5]"),
     value("fixed_compile_text", {"fixed.compile_rollouts": "no"}, "fixed.compile_rollouts: must be true or false"),
-    value("fixed_batched_vision_text", {"fixed.batched_vision_attention": "on"}, "fixed.batched_vision_attention: must be true, false or null"),  # noqa: E501
+    value("fixed_batched_vision_text", {"fixed.batched_vision_attention": "on"}, "fixed.batched_vision_attention: must be true or false"),  # noqa: E501
     # --- warm starts
     value("warm_starts_a_mapping", {"warm_starts": {"strong": {}}}, "warm_starts: must be a list of {{name, params}}"),
     value("warm_start_a_number", {"warm_starts": [5]}, "warm_starts[0]: must have exactly the keys name and params"),

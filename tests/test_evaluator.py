@@ -190,7 +190,7 @@ def test_evaluate_reports_consistent_scores(tiny_model_dir: Path, tiny_split_dir
     assert 1 <= report["mean_completion_tokens"] <= SHORT
     assert report["examples_per_s"] == pytest.approx(8 / report["seconds"])
     assert (report["model"], report["data"], report["devices"]) == (str(tiny_model_dir), str(tiny_split_dir), ["cpu"])
-    assert report["batched_vision_attention"] is False  # the default on a CPU
+    assert report["batched_vision_attention"] is False  # the default
 
 
 def test_per_row_answers_name_the_rows_of_the_split(tiny_model_dir: Path, tiny_split_dir: Path) -> None:
@@ -233,7 +233,7 @@ def test_the_command_line_writes_the_report(tiny_model_dir: Path, tiny_split_dir
 
 
 def test_the_command_line_turns_the_batched_vision_attention_on_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _parser().parse_args(["m", "d"]).batched_vision_attention is None  # evaluate() picks by device
+    assert _parser().parse_args(["m", "d"]).batched_vision_attention is False
     passed = []
     monkeypatch.setattr("evaluator.__main__.evaluate", lambda *args, **kwargs: passed.append(kwargs) or {})
     monkeypatch.setattr("evaluator.__main__.summary", lambda report: "")

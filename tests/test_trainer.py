@@ -140,16 +140,16 @@ def test_speed_options_refuse_what_they_cannot_mean(option, value, message):
         TrialConfig(model_path="m", train_path="t", output_dir="o", **{option: value})
 
 
-def test_batched_vision_attention_is_true_false_or_null(tmp_path):
+def test_batched_vision_attention_is_true_or_false_and_off_by_default(tmp_path):
     from trainer.config import ConfigError, TrialConfig
 
     paths = dict(model_path="m", train_path="t", output_dir="o")
-    assert TrialConfig(**paths).batched_vision_attention is None  # the trainer picks by device
-    for value in (True, False, None):
+    assert TrialConfig(**paths).batched_vision_attention is False
+    for value in (True, False):
         TrialConfig(**paths, batched_vision_attention=value).to_json(tmp_path / "trial.json")
         assert TrialConfig.from_json(tmp_path / "trial.json").batched_vision_attention is value
-    for bad in ("yes", 1):
-        with pytest.raises(ConfigError, match="^batched_vision_attention: must be true, false or null"):
+    for bad in ("yes", 1, None):
+        with pytest.raises(ConfigError, match="^batched_vision_attention: must be true or false"):
             TrialConfig(**paths, batched_vision_attention=bad)
 
 

@@ -77,11 +77,6 @@ def test_only_qwen2_vl_models_are_accepted() -> None:
         use_batched_vision_attention(torch.nn.Linear(2, 2))
 
 
-def test_default_is_on_a_gpu_only() -> None:
-    assert vision_attention.default_enabled("cuda:0") and vision_attention.default_enabled(torch.device("cuda"))
-    assert not vision_attention.default_enabled("cpu")
-
-
 def test_the_bench_measures_both_ways_on_a_cpu(tiny_model_dir: Path, tiny_split_dir: Path) -> None:
     """bench/eval_speed.py's comparison, as bench/gpu.py's vision section runs it on the GPU, on the tiny model."""
     from bench import eval_speed

@@ -36,7 +36,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import pad
 
 from evaluator.generation import tokens_until_eos
-from evaluator.vision_attention import default_enabled, use_batched_vision_attention
+from evaluator.vision_attention import use_batched_vision_attention
 
 # Static caches are sized in multiples of this many positions, so prompts of slightly different lengths share one
 # compiled decode step (transformers keeps the largest cache length it has seen, and recompiles when it grows).
@@ -46,20 +46,18 @@ CACHE_LENGTH_QUANTUM = 256
 class RolloutReplica:
     """An inference copy of the policy; `sync_from(policy)` writes the policy's current weights into it in place.
     `batched_vision_attention`: its vision tower attends to all the images of a prefill at once (see
-    `evaluator.vision_attention`); None: where that pays (`default_enabled`)."""
+    `evaluator.vision_attention`)."""
 
     def __init__(
         self,
         model_path: str,
         dtype: torch.dtype,
         device: torch.device,
-        batched_vision_attention: bool | None = None,
+        batched_vision_attention: bool = False,
     ):
         self.model = Qwen2VLForConditionalGeneration.from_pretrained(
             model_path, dtype=dtype, attn_implementation="sdpa"
         ).to(device)
-        if batched_vision_attention is None:
-            batched_vision_attention = default_enabled(device)
         if batched_vision_attention:
             use_batched_vision_attention(self.model)
         self.model.eval().requires_grad_(False)

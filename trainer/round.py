@@ -39,7 +39,7 @@ from trl import GRPOConfig
 
 from evaluator.generation import generate_completions
 from evaluator.protocol import extract_answer, parse_gold
-from evaluator.vision_attention import default_enabled, use_batched_vision_attention
+from evaluator.vision_attention import use_batched_vision_attention
 from trainer import memory
 from trainer.config import ConfigError, TrialConfig
 from trainer.cpu_loss import completion_positions_only
@@ -160,14 +160,12 @@ def _build_trainer(
     ood_rows = build_ood_subset(config)
 
     batched_vision_attention = config.batched_vision_attention
-    if batched_vision_attention is None:
-        batched_vision_attention = default_enabled(device)
     model = _load_model(config, on_gpu)
     if batched_vision_attention:  # the policy's forwards (old log-probs, training) run the tower too, frozen or not
         use_batched_vision_attention(model)
     if liger:
         apply_liger_kernels(model)
-    if config.compile_training and on_gpu:
+    if config.compile_training and on_gpu and config.lora_rank == 0:
         # Regional compilation: the layers share their code, so one graph serves them all; compiled in place, the
         # parameter names stay those the replica's sync and the save read.
         for layer in model.model.language_model.layers:

@@ -116,13 +116,6 @@ def boolean(key: str, value: Any, *, error: type[InvalidValue] = InvalidValue) -
     return value
 
 
-def optional_boolean(key: str, value: Any, *, error: type[InvalidValue] = InvalidValue) -> bool | None:
-    """A boolean or None (null in JSON and YAML), for options whose None means "the default for the machine"."""
-    if value is not None and not isinstance(value, bool):
-        raise error(key, f"must be true, false or null, got {show(value)}")
-    return value
-
-
 def text(key: str, value: Any, *, max_length: int | None = None, error: type[InvalidValue] = InvalidValue) -> str:
     """A non-empty, non-blank string without control characters (a newline would break a one-line message, a NUL
     every path and database call), of at most `max_length` characters."""
