@@ -8,12 +8,17 @@ token happens to come, the worst case) and a synthetic split of 480x320 images, 
   with a compiled decode step) at each batch size; the first call at a size compiles and is timed apart;
 - end to end: `python -m evaluator` in a fresh process on all rows, timed from outside (imports, model load,
   compilation, generation), once with an empty inductor cache and once with the cache the first run left.
+
+`vision_attention` compares the vision tower's attention once per image (transformers' sdpa loop) with the batched
+one (`evaluator.vision_attention`) in one process: the tower's prefill seconds and the evaluator's examples/s.
+`vision_tower_speed` times the tower alone on random weights, without a model folder (a one-line GPU check).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,11 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
 
 from evaluator.data import load_split
 from evaluator.evaluation import load_model
 from evaluator.generation import build_inputs, generate_completions
 from evaluator.protocol import GENERATION_KWARGS
+from evaluator import vision_attention as batched
 
 PLAIN_BATCH_SIZE = 64  # the brief's measured self-check setting
 REPO = Path(__file__).resolve().parents[1]
@@ -90,11 +97,14 @@ def _plain(model: Any, processor: Any, rows: list[dict[str, Any]]) -> list[str]:
     return texts
 
 
-def _timed(work: Any) -> tuple[float, Any]:
-    torch.cuda.synchronize()
+def _timed(work: Any, device: str = "cuda") -> tuple[float, Any]:
+    on_gpu = torch.device(device).type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     result = work()
-    torch.cuda.synchronize()
+    if on_gpu:
+        torch.cuda.synchronize()
     return time.perf_counter() - start, result
 
 
@@ -130,3 +140,115 @@ def decode_profile(model_dir: Path, split_dir: Path, batch_size: int, new_tokens
             for e in top
         ],
     }
+
+
+def vision_attention(model_dir: Path, split_dir: Path, device: str = "cuda:0", batch_size: int = 256,
+                     rows: int | None = 512, max_new_tokens: int = GENERATION_KWARGS["max_new_tokens"],
+                     repeats: int = 3) -> dict[str, Any]:  # fmt: skip
+    """Per-image vision attention against the batched one, side by side on one loaded model: the vision tower's
+    seconds for one batch of `batch_size` rows' images (the median of `repeats` after a warm-up), and the evaluator's
+    examples/s on `rows` rows (static cache on a GPU, compiled by an untimed first pass). Also how far
+    the tower's outputs and the completions of the two are apart."""
+    split = load_split(split_dir)
+    split = split.select(range(min(rows or len(split), len(split))))
+    on_gpu = torch.device(device).type == "cuda"
+    model, processor = load_model(model_dir, device, batched_vision_attention=False)
+    inputs = build_inputs(processor, [split[i] for i in range(min(batch_size, len(split)))]).to(device)
+    pixels, grid = inputs["pixel_values"].to(model.dtype), inputs["image_grid_thw"]
+    tower = model.model.visual
+
+    def generate() -> list:
+        return generate_completions(model, processor, split, batch_size, max_new_tokens=max_new_tokens,
+                                    static_cache=on_gpu)  # fmt: skip
+
+    if on_gpu:  # compiles the static-cache decode step for these rows' cache length; both ways share it
+        generate()
+    figures: dict[str, Any] = {"device": device, "batch_size": batch_size, "rows": len(split),
+                               "images_in_tower_batch": int(grid.shape[0]), "patches": int(pixels.shape[0]),
+                               "max_new_tokens": max_new_tokens}  # fmt: skip
+    modes = {"per_image": False, "batched": True}
+    outputs, seconds, completions = {}, {name: [] for name in modes}, {}
+    with torch.inference_mode():
+        for name, enabled in modes.items():  # warm-up
+            batched.use_batched_vision_attention(model, enabled)
+            outputs[name] = tower(pixels, grid_thw=grid).pooler_output.float()
+        for _ in range(repeats):  # interleaved, so that a change in the machine's load hits both alike
+            for name, enabled in modes.items():
+                batched.use_batched_vision_attention(model, enabled)
+                seconds[name].append(_timed(lambda: tower(pixels, grid_thw=grid), device)[0])
+    for name, enabled in modes.items():
+        batched.use_batched_vision_attention(model, enabled)
+        generate_seconds, completions[name] = _timed(generate, device)
+        figures[name] = {"tower_seconds": statistics.median(seconds[name]), "tower_seconds_each": seconds[name],
+                         **_speed(batch_size, len(split), generate_seconds)}  # fmt: skip
+    batched.use_batched_vision_attention(model, False)
+    difference = (outputs["batched"] - outputs["per_image"]).abs()
+    figures["tower_speedup"] = figures["per_image"]["tower_seconds"] / figures["batched"]["tower_seconds"]
+    figures["eval_speedup"] = figures["batched"]["examples_per_s"] / figures["per_image"]["examples_per_s"]
+    figures["tower_max_abs_difference"] = difference.max().item()
+    figures["tower_max_relative_difference"] = (difference.max() / outputs["per_image"].abs().max()).item()
+    figures["rows_with_other_completions"] = sum(
+        a != b for a, b in zip(completions["per_image"], completions["batched"], strict=True)
+    )
+    del model
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return figures
+
+
+def vision_tower_speed(device: str = "cuda", images: int = 256, sides: tuple[int, ...] = (448,),
+                       dtype: torch.dtype = torch.bfloat16, size: str = "2b", depth: int | None = None,
+                       repeats: int = 3) -> dict[str, Any]:  # fmt: skip
+    """The Qwen2-VL vision tower of `size` alone (random weights, no folder), on `images` images whose sides cycle
+    through `sides` pixels (multiples of 28): seconds per call once per image, batched (what `batched_vision_attention`
+    picks on this device), and batched through SDPA on equal-size groups (its fallback off CUDA), each the median of
+    `repeats` after a warm-up; and how far the outputs are from the per-image ones."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    from synthetic.models import build_config
+
+    config = build_config(size).vision_config
+    if depth is not None:
+        config.depth = depth
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        tower = Qwen2VisionTransformerPretrainedModel._from_config(config, dtype=dtype).to(device).eval()
+    patch = config.patch_size
+    grid = torch.tensor([[1, sides[i % len(sides)] // patch, sides[i % len(sides)] // patch] for i in range(images)],
+                        device=device)  # fmt: skip
+    channels = config.in_channels * config.temporal_patch_size * patch * patch
+    pixels = torch.randn(int(grid.prod(dim=1).sum()), channels, generator=torch.Generator().manual_seed(0))
+    pixels = pixels.to(device, dtype)
+    AttentionInterface.register(batched.ATTENTION_NAME, batched.batched_vision_attention)
+    figures: dict[str, Any] = {"device": str(device), "images": images, "sides": list(sides), "dtype": str(dtype),
+                               "depth": config.depth, "patches": int(pixels.shape[0]),
+                               "batched_kernel": "varlen_attn" if batched.varlen_applies(pixels) else "grouped sdpa"}
+    names = ("per_image", "batched", "batched_grouped_sdpa")
+    outputs, seconds = {}, {name: [] for name in names}
+    varlen_ok = batched._VARLEN_OK
+
+    def run(name: str) -> torch.Tensor:
+        # Every block reads the implementation from this config object. The grouped fallback is forced by hiding
+        # varlen_attn for one call (on a CPU it is what "batched" runs anyway).
+        config._attn_implementation = "sdpa" if name == "per_image" else batched.ATTENTION_NAME
+        batched._VARLEN_OK = varlen_ok and name != "batched_grouped_sdpa"
+        try:
+            return tower(pixels, grid_thw=grid).pooler_output
+        finally:
+            batched._VARLEN_OK = varlen_ok
+
+    with torch.inference_mode():
+        for name in names:  # warm-up
+            outputs[name] = run(name).float()
+        for _ in range(repeats):  # interleaved, so that a change in the machine's load hits all alike
+            for name in names:
+                seconds[name].append(_timed(lambda: run(name), device)[0])
+    for name in names:
+        figures[name] = {"seconds": statistics.median(seconds[name]), "seconds_each": seconds[name]}
+    for name in ("batched", "batched_grouped_sdpa"):
+        difference = (outputs[name] - outputs["per_image"]).abs()
+        figures[name]["speedup"] = figures["per_image"]["seconds"] / figures[name]["seconds"]
+        figures[name]["max_abs_difference"] = difference.max().item()
+        figures[name]["max_relative_difference"] = (difference.max() / outputs["per_image"].abs().max()).item()
+    return figures

@@ -3,19 +3,27 @@ one results file with the headline ratios:
 
     python bench/gpu.py --sections eval,grpo,search --out bench/results/$(date +%F)-h200.json
 
-- eval (bench/eval_speed.py): the evaluator's examples/s against plain batch-64 `generate` (`eval_speedup`) and
-  1,000 examples end to end in a fresh process (`eval_1k_seconds`, with a warm inductor cache, as in every
-  evaluation of a search after its first; the cold figure is in the raw figures);
+- eval (bench/eval_speed.py): the evaluator's examples/s against plain batch-64 `generate` (`eval_speedup`), on
+  --eval-speed-rows rows (its end-to-end runs too, on those rows);
+- eval_1k: 1,000 examples end to end in a fresh process (`eval_1k_seconds`, with a warm inductor cache, as in every
+  evaluation of a search after its first; the cold run that warms it is in the raw figures);
+- decode_profile: where a compiled decode step's time goes, at --e2e-batch-size;
 - grpo (bench/grpo_speed.py): completions/s of this project's trainer against TRL's defaults, full fine-tuning and
   LoRA r=64, group size 8 (`grpo_full_speedup`, `lora_vs_full`), peak memory of each;
 - profile (bench/grpo_profile.py): where full fine-tuning's step goes (rollout, old log-probs, forward, backward,
-  optimizer), for the round as run and with one lever changed at a time;
+  optimizer) and its peak memory, for the round as run and with one lever changed at a time (--profile-variants);
+- vision (bench/eval_speed.py): the vision tower's attention once per image against the batched one
+  (evaluator.vision_attention), side by side on one model: the tower's seconds for one batch of --vision-batch-size
+  rows' images and the evaluator's examples/s on --vision-rows rows (`vision_tower_speedup`, `vision_eval_speedup`),
+  and the tower alone on 256 images of 448x448;
 - search: `run_search.py` for --search-minutes of real rounds on a synthetic 480x320 box, and from its study the
   seconds each round spent outside training and evaluation: start-up (launch to first step), merge and save,
   promotion (`overhead_fraction`: those seconds over a 30-minute round).
 
 A section given again replaces its figures in --out; the others are kept, so the sections may run in separate
-calls of a time-limited machine. Each section records the GPU and versions it ran with.
+calls of a time-limited machine (each fits one 10-minute call with its defaults). Figures are written after every
+measurement inside a section too, marked `"incomplete": true` until the section ends, so a call cut short keeps what
+it measured. Each section records the GPU and versions it ran with.
 """
 
 from __future__ import annotations
@@ -36,8 +44,11 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-SECTIONS = ("eval", "grpo", "profile", "search")
+SECTIONS = ("eval", "eval_1k", "decode_profile", "grpo", "profile", "vision", "search")
 ROUND_SECONDS = 30 * 60  # the issue's reference round
+# The profile's default variants: ~40-60 s each on an H200 after the first (which compiles the rollout), so these and
+# building the model fit one 10-minute call.
+PROFILE_VARIANTS = ("as_run", "checkpoint_all", "liger", "no_checkpointing", "liger_no_checkpointing")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,67 +56,116 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {SECTIONS}")
     parser.add_argument("--work", type=Path, default=ROOT / "built" / "bench", help="models, data and runs")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--eval-rows", type=int, default=1000)
+    parser.add_argument("--eval-rows", type=int, default=1000, help="rows of eval_1k")
+    parser.add_argument("--eval-speed-rows", type=int, default=512, help="rows of eval's evaluator runs")
     parser.add_argument("--plain-rows", type=int, default=128, help="rows for plain generate (it is slow)")
-    parser.add_argument("--eval-batch-sizes", default="256,512")
+    parser.add_argument("--eval-batch-sizes", default="256", help="eval's evaluator batch sizes (256 was best)")
+    parser.add_argument("--e2e-batch-size", type=int, default=256, help="batch size of eval_1k and decode_profile")
     parser.add_argument("--grpo-modes", default="full,lora")
     parser.add_argument("--grpo-steps", type=int, default=16, help="steps of this project's rounds")
     parser.add_argument("--grpo-generation-steps", type=int, default=8)
-    parser.add_argument("--profile-variants",
-                        default="as_run,no_gradient_checkpointing,lora_as_run,lora_gradient_checkpointing")
+    parser.add_argument("--profile-variants", default=",".join(PROFILE_VARIANTS),
+                        help="comma-separated names of bench/grpo_profile.py's VARIANTS")  # fmt: skip
     parser.add_argument("--trl-steps", type=int, default=4, help="steps of the TRL-defaults rounds")
-    parser.add_argument("--search-minutes", type=float, default=8.0)
+    parser.add_argument("--vision-batch-size", type=int, default=256)
+    parser.add_argument("--vision-rows", type=int, default=512, help="rows the evaluator scores each way")
+    parser.add_argument("--search-minutes", type=float, default=6.0)
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         parser.error(f"unknown section {unknown[0]!r}; known: {', '.join(SECTIONS)}")
+    if "profile" in sections:
+        from bench import grpo_profile
+
+        try:
+            variants = grpo_profile.parse_variants(args.profile_variants)
+        except ValueError as exc:
+            parser.error(str(exc))
     if not torch.cuda.is_available():
         parser.error("needs a GPU")
 
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     model = _model(args.work / "qwen2vl-2b")
+    machine = _machine()
     for section in sections:
         began = time.perf_counter()
+
+        def record(figures: dict[str, Any], done: bool = False, section: str = section, began: float = began) -> None:
+            entry = {**figures, "machine": machine, "section_seconds": time.perf_counter() - began}
+            if not done:
+                entry["incomplete"] = True
+            results[section] = entry
+            results.update(_headline(results))
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=2) + "\n")
+
         if section == "eval":
             from bench import eval_speed
 
-            split = _split(args.work / f"other-{args.eval_rows}", args.eval_rows)
+            split = _split(args.work / f"other-{args.eval_speed_rows}", args.eval_speed_rows)
             sizes = [int(size) for size in args.eval_batch_sizes.split(",")]
             figures = eval_speed.measure(model, split, args.plain_rows, sizes)
-            figures["decode_profile"] = eval_speed.decode_profile(model, split, figures["best_batch_size"])
+        elif section == "eval_1k":
+            figures = eval_end_to_end(model, _split(args.work / f"other-{args.eval_rows}", args.eval_rows),
+                                      args.e2e_batch_size, record)  # fmt: skip
+        elif section == "decode_profile":
+            from bench import eval_speed
+
+            split = _split(args.work / f"other-{args.eval_speed_rows}", args.eval_speed_rows)
+            figures = eval_speed.decode_profile(model, split, args.e2e_batch_size)
         elif section == "grpo":
             from bench import grpo_speed
 
             figures = grpo_speed.measure(model, args.work / "grpo", args.grpo_modes.split(","), args.grpo_steps,
-                                         args.trl_steps, args.grpo_generation_steps)  # fmt: skip
+                                         args.trl_steps, args.grpo_generation_steps, on_figure=record)  # fmt: skip
         elif section == "profile":
-            from bench import grpo_profile
+            figures = grpo_profile.measure(model, args.work / "profile", variants, args.grpo_steps,
+                                           args.grpo_generation_steps, on_variant=record)  # fmt: skip
+        elif section == "vision":
+            from bench import eval_speed
 
-            figures = grpo_profile.measure(model, args.work / "profile", args.profile_variants.split(","),
-                                           args.grpo_steps, args.grpo_generation_steps)  # fmt: skip
+            split = _split(args.work / f"other-{args.eval_speed_rows}", args.eval_speed_rows)
+            figures = eval_speed.vision_attention(model, split, "cuda:0", args.vision_batch_size, args.vision_rows)
+            figures["tower_alone"] = eval_speed.vision_tower_speed("cuda:0", images=256, sides=(448,))
         else:
             figures = search_overhead(model, args.work / "search", args.search_minutes)
-        figures["machine"] = _machine()
-        figures["section_seconds"] = time.perf_counter() - began
-        results[section] = figures
-        results.update(_headline(results))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")  # after every section: a later one may time out
-        print(json.dumps({section: figures}, indent=2), flush=True)
+        record(figures, done=True)
+        print(json.dumps({section: results[section]}, indent=2), flush=True)
     return 0
+
+
+def eval_end_to_end(model: Path, split: Path, batch_size: int, record: Any) -> dict[str, Any]:
+    """`python -m evaluator` on every row of `split` in a fresh process, with an empty inductor cache and then with
+    the cache that run left (bench/eval_speed.py's end-to-end run); recorded after each."""
+    import tempfile
+
+    from bench import eval_speed
+
+    figures: dict[str, Any] = {"rows": None, "batch_size": batch_size}
+    with tempfile.TemporaryDirectory() as inductor_cache:
+        for name in ("end_to_end_cold", "end_to_end_warm"):
+            figures[name] = eval_speed._end_to_end(model, split, batch_size, inductor_cache)
+            figures["rows"] = figures[name]["n"]
+            record(figures)
+    return figures
 
 
 def _headline(results: dict[str, Any]) -> dict[str, Any]:
     headline: dict[str, Any] = {}
-    if "eval" in results:
+    if "speedup" in results.get("eval", {}):
         headline["eval_speedup"] = results["eval"]["speedup"]
-        headline["eval_1k_seconds"] = results["eval"]["end_to_end_warm"]["seconds"] * 1000 / results["eval"]["rows"]
+    if "end_to_end_warm" in results.get("eval_1k", {}):
+        warm = results["eval_1k"]["end_to_end_warm"]
+        headline["eval_1k_seconds"] = warm["seconds"] * 1000 / warm["n"]
     if "grpo" in results:
-        if "full" in results["grpo"]:
+        if "speedup" in results["grpo"].get("full", {}):
             headline["grpo_full_speedup"] = results["grpo"]["full"]["speedup"]
         if "lora_vs_full" in results["grpo"]:
             headline["lora_vs_full"] = results["grpo"]["lora_vs_full"]
+    if "vision" in results:
+        headline["vision_tower_speedup"] = results["vision"]["tower_speedup"]
+        headline["vision_eval_speedup"] = results["vision"]["eval_speedup"]
     if "overhead_fraction" in results.get("search", {}):
         headline["overhead_fraction"] = results["search"]["overhead_fraction"]
     return headline

@@ -13,6 +13,9 @@ Phases (inclusive; a phase may contain another, e.g. `generate_and_score` holds 
 - optimizer: the optimizer's step (with gradient clipping's norm, which the Trainer computes just before it, in
   `other`).
 
+Each variant also reports `peak_gb` (the CUDA allocator's peak) and `settings`: how `liger_kernels` and
+`gradient_checkpointing` resolved in the round, with trainer/memory.py's estimated peak for that choice.
+
 `other` is the train seconds none of the phases cover (the dataloader, clipping, logging, the scheduler): it was 26% of
 a step until trainer.data cached the decoded images of a generation batch. Compilation
 of the first rollout falls in `rollout` of the first generation, reported apart as `first_rollout_s`.
@@ -37,7 +40,7 @@ from synthetic.splits import write_split
 from trainer.config import TrialConfig
 from trainer.rollout import ReplicaGRPOTrainer, RolloutReplica
 from trainer.round import run_round
-from trainer.run_folder import read_progress
+from trainer.run_folder import RoundState, read_progress
 
 TOP_LEVEL = ("generate_and_score", "loss_forward", "backward", "optimizer")  # disjoint: they add up with `other`
 
@@ -95,6 +98,8 @@ def profile_round(config: TrialConfig) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     with timed_phases(clock):
         result = run_round(config)
+    if result.state == RoundState.FAILED:
+        return {"state": result.state, "reason": result.reason, "settings": result.settings}
     lines = read_progress(config.output_dir)
     first_rollout = clock.seconds["rollout"][0] if clock.seconds["rollout"] else 0.0
     # Steady state: every phase's seconds after the first generation batch (which compiles), per optimizer step.
@@ -122,34 +127,68 @@ def profile_round(config: TrialConfig) -> dict[str, Any]:
         "share": {phase: seconds / s_per_step for phase, seconds in per_step.items()},
         "first_rollout_s": first_rollout,
         "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "settings": result.settings,  # how liger and checkpointing resolved, and the estimated peak
     }
 
 
-# The variants: the round as the search runs it (full fine-tuning, then LoRA r=64), then one lever changed at a time.
+# The variants, full fine-tuning unless named lora_: the round as the search runs it (`as_run`: liger and gradient
+# checkpointing as the configuration resolves them on this GPU), then one lever at a time against `checkpoint_all`
+# (no liger, every layer checkpointed: the round as run before the levers), each lever's setting stated explicitly.
 LORA = {"lora_rank": 64, "learning_rate": 1e-5}
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "as_run": {},
-    "no_gradient_checkpointing": {"gradient_checkpointing": False},
+    "checkpoint_all": {"liger_kernels": False, "gradient_checkpointing": True},
+    "liger": {"liger_kernels": True, "gradient_checkpointing": True},
+    "no_checkpointing": {"liger_kernels": False, "gradient_checkpointing": False},
+    "liger_no_checkpointing": {"liger_kernels": True, "gradient_checkpointing": False},
+    "checkpoint_every_2": {"liger_kernels": False, "gradient_checkpointing": 2},
+    "liger_checkpoint_every_2": {"liger_kernels": True, "gradient_checkpointing": 2},
+    "compiled_layers": {"liger_kernels": False, "gradient_checkpointing": False, "compile_training": True},
     "generation_steps_16": {"generation_steps": 16},
     "lora_as_run": LORA,
-    "lora_gradient_checkpointing": {**LORA, "gradient_checkpointing": True},
+    "lora_checkpoint_all": {**LORA, "liger_kernels": False, "gradient_checkpointing": True},
+    "lora_no_checkpointing": {**LORA, "liger_kernels": False, "gradient_checkpointing": False},
+    "lora_liger_no_checkpointing": {**LORA, "liger_kernels": True, "gradient_checkpointing": False},
 }
 
 
+def parse_variants(text: str) -> list[str]:
+    """`--profile-variants`: comma-separated names of VARIANTS, in the order given, each once."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown profile variant {unknown[0]!r}; known: {', '.join(VARIANTS)}")
+    if not names:
+        raise ValueError("no profile variant given")
+    return list(dict.fromkeys(names))
+
+
+def variant_config(name: str, model: Path, train: Path, work: Path, steps: int, generation_steps: int,
+                   max_completion_length: int = 256) -> TrialConfig:  # fmt: skip
+    settings = {"lora_rank": 0, "learning_rate": 1e-6, "generation_steps": generation_steps, **VARIANTS[name]}
+    return TrialConfig(
+        model_path=str(model), train_path=str(train), output_dir=str(work / name),
+        reward_weights={"accuracy": 1.0, "answer_format": 0.5}, num_generations=8, prompts_per_step=1,
+        max_completion_length=max_completion_length, steps=max(steps, 2 * settings["generation_steps"]),
+        **settings,
+    )  # fmt: skip
+
+
 def measure(model: Path, work: Path, variants: list[str], steps: int, generation_steps: int,
-            max_completion_length: int = 256) -> dict[str, Any]:
+            max_completion_length: int = 256,
+            on_variant: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Profile each variant in turn; `on_variant(figures so far)` after each, so a cut-short call keeps them."""
     train = work / "train"
     if not train.exists():
         write_split(train, "train", 64, seed=0)
     figures: dict[str, Any] = {}
     for name in variants:
-        settings = {"lora_rank": 0, "learning_rate": 1e-6, "generation_steps": generation_steps, **VARIANTS[name]}
-        config = TrialConfig(
-            model_path=str(model), train_path=str(train), output_dir=str(work / name),
-            reward_weights={"accuracy": 1.0, "answer_format": 0.5}, num_generations=8, prompts_per_step=1,
-            max_completion_length=max_completion_length, steps=max(steps, 2 * settings["generation_steps"]),
-            **settings,
-        )
-        figures[name] = profile_round(config)
+        config = variant_config(name, model, train, work, steps, generation_steps, max_completion_length)
+        try:
+            figures[name] = profile_round(config)
+        except Exception as exc:  # one variant's failure (a kernel that does not build) leaves the others measured
+            figures[name] = {"state": "failed", "reason": f"{type(exc).__name__}: {exc}"[:2000]}
         print(name, json.dumps(figures[name]), flush=True)
+        if on_variant is not None:
+            on_variant(figures)
     return figures

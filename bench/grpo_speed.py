@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -112,7 +113,9 @@ def ours(config: TrialConfig) -> dict:
 
 
 def measure(model: Path, work: Path, modes: list[str], steps: int, trl_steps: int, generation_steps: int,
-            max_completion_length: int = 256) -> dict:
+            max_completion_length: int = 256, on_figure: Callable[[dict], None] | None = None) -> dict:
+    """Each mode's TRL-defaults round, then ours; `on_figure(figures so far)` after each round, so a cut-short call
+    keeps what it measured."""
     train = work / "train"
     if not train.exists():
         write_split(train, "train", 64, seed=0)
@@ -130,6 +133,9 @@ def measure(model: Path, work: Path, modes: list[str], steps: int, trl_steps: in
         )
         default = trl_defaults(TrialConfig(output_dir=str(work / f"trl-{mode}"), **base), trl_steps)
         print(mode, "trl defaults", default, flush=True)
+        figures[mode] = {"trl_defaults": default}
+        if on_figure is not None:
+            on_figure(figures)
         config = TrialConfig(output_dir=str(work / f"ours-{mode}"), steps=steps, generation_steps=generation_steps,
                              **base)  # fmt: skip
         project = ours(config)
@@ -139,6 +145,8 @@ def measure(model: Path, work: Path, modes: list[str], steps: int, trl_steps: in
             "ours": project,
             "speedup": project["completions_per_s"] / default["completions_per_s"],
         }
+        if on_figure is not None:
+            on_figure(figures)
     if "full" in figures and "lora" in figures:
         figures["lora_vs_full"] = figures["lora"]["ours"]["completions_per_s"] / figures["full"]["ours"]["completions_per_s"]
     return figures

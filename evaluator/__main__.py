@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             batch_size=args.batch_size,
             static_cache=not args.dynamic_cache,
+            batched_vision_attention=args.batched_vision_attention,
         )
     except (DataError, ModelError) as error:
         print(f"evaluator: {error}", file=sys.stderr)
@@ -88,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="on a GPU, decode with the dynamic KV cache instead of the static one with a compiled decode step "
         "(which compiles for about a minute in a fresh machine, inductor's disk cache shortening later runs)",
+    )
+    parser.add_argument(
+        "--batched-vision-attention",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the vision tower attends to all the images of a batch in one call instead of once per image and layer "
+        "(default: off, the verifier's per-image path)",
     )
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     return parser

@@ -454,7 +454,7 @@ CASES = [
     value("fixed_epsilon_above_one", {"fixed.epsilon": 1.5}, "fixed.epsilon: must be in (0.0, 1.0)"),
     value("fixed_epsilon_high_below_epsilon", {"fixed.epsilon_high": 0.1}, "fixed.epsilon_high: must be in [0.2, 1.0)"),
     value("fixed_dropout_one", {"fixed.lora_dropout": 1.0}, "fixed.lora_dropout: must be in [0.0, 1.0)"),
-    value("fixed_checkpointing_text", {"fixed.gradient_checkpointing": "yes"}, "fixed.gradient_checkpointing: must be true, false or null"),  # noqa: E501
+    value("fixed_checkpointing_text", {"fixed.gradient_checkpointing": "yes"}, "fixed.gradient_checkpointing: must be true, false, null or a layer interval"),  # noqa: E501
     value("fixed_vision_tower_a_number", {"fixed.train_vision_tower": 1}, "fixed.train_vision_tower: must be true or false"),  # noqa: E501
     value("fixed_train_rows_zero", {"fixed.train_rows": 0}, "fixed.train_rows: must be an integer in [1, 100000000], got 0"),
     value("fixed_completion_too_long", {"fixed.max_completion_length": 4096}, "fixed.max_completion_length: must be an integer in [8, 2048], got 4096"),  # noqa: E501
@@ -462,6 +462,7 @@ CASES = [
     value("fixed_scale_rewards_unknown", {"fixed.scale_rewards": "weird"}, "fixed.scale_rewards: must be one of"),
     value("fixed_warmup_too_long", {"fixed.warmup_ratio": 0.9}, "fixed.warmup_ratio: must be in [0.0, 0.5]"),
     value("fixed_compile_text", {"fixed.compile_rollouts": "no"}, "fixed.compile_rollouts: must be true or false"),
+    value("fixed_batched_vision_text", {"fixed.batched_vision_attention": "on"}, "fixed.batched_vision_attention: must be true or false"),  # noqa: E501
     # --- warm starts
     value("warm_starts_a_mapping", {"warm_starts": {"strong": {}}}, "warm_starts: must be a list of {{name, params}}"),
     value("warm_start_a_number", {"warm_starts": [5]}, "warm_starts[0]: must have exactly the keys name and params"),

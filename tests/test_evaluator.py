@@ -17,13 +17,14 @@ import pytest
 import torch
 from qwen_vl_utils import process_vision_info
 
-from evaluator import evaluate
-from evaluator.__main__ import main
+from evaluator import evaluate, vision_attention
+from evaluator.__main__ import _parser, main
 from evaluator.data import DataError, load_split, subset_indices, validate_solutions
 from evaluator.evaluation import load_model
 from evaluator.generation import Completion, build_inputs, generate_completions, tokens_until_eos
 from evaluator.protocol import EVAL_TEMPLATE, extract_answer
 from evaluator.report import build_report
+from evaluator.vision_attention import use_batched_vision_attention
 from synthetic.splits import iter_scenes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,6 +120,26 @@ def test_batched_completions_equal_one_row_at_a_time(
     assert generate_completions(lively_model, processor, rows, 3, SHORT, static_cache=True) == alone
 
 
+# On a GPU the float32 model takes the grouped-SDPA path; tests/test_vision_attention.py checks the bfloat16 kernel.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_batched_vision_attention_gives_the_per_image_answers_row_for_row(
+    lively_model: Any, processor: Any, rows: list, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verifier's path runs the vision tower's attention once per image; all of a batch's images in one call
+    (evaluator.vision_attention) give the same completions, row for row."""
+    per_image = copy.deepcopy(lively_model).to(device)
+    batched = copy.deepcopy(per_image)
+    use_batched_vision_attention(batched)
+    expected = generate_completions(per_image, processor, rows, batch_size=4, max_new_tokens=SHORT)
+    assert len({completion.text for completion in expected}) > 1, "the model must answer differently to some rows"
+    images_per_call = []
+    grouped = vision_attention._grouped_sdpa
+    monkeypatch.setattr(vision_attention, "_grouped_sdpa",
+                        lambda *args: images_per_call.append(len(args[4]) - 1) or grouped(*args))  # fmt: skip
+    assert generate_completions(batched, processor, rows, batch_size=4, max_new_tokens=SHORT) == expected
+    assert images_per_call == [4] * 2 * batched.config.vision_config.depth  # 2 batches of 4 images, every layer
+
+
 def test_completion_tokens_count_up_to_the_first_end_of_sequence() -> None:
     im_end, end_of_text = 151645, 151643  # Qwen2-VL's end-of-sequence ids; end_of_text also pads finished rows
     new_tokens = torch.tensor([[5, im_end, end_of_text, end_of_text], [5, 6, 7, 8], [end_of_text, 9, 9, 9]])
@@ -169,6 +190,7 @@ def test_evaluate_reports_consistent_scores(tiny_model_dir: Path, tiny_split_dir
     assert 1 <= report["mean_completion_tokens"] <= SHORT
     assert report["examples_per_s"] == pytest.approx(8 / report["seconds"])
     assert (report["model"], report["data"], report["devices"]) == (str(tiny_model_dir), str(tiny_split_dir), ["cpu"])
+    assert report["batched_vision_attention"] is False  # the default
 
 
 def test_per_row_answers_name_the_rows_of_the_split(tiny_model_dir: Path, tiny_split_dir: Path) -> None:
@@ -181,7 +203,8 @@ def test_per_row_answers_name_the_rows_of_the_split(tiny_model_dir: Path, tiny_s
     assert per_row["gold"] == [golds[i] for i in per_row["index"]]
     assert sum(a == g for a, g in zip(per_row["answer"], per_row["gold"])) == subset["correct"]
     again = evaluate(tiny_model_dir, tiny_split_dir, indices=per_row["index"][1:3], batch_size=2, devices=["cpu"],
-                     max_new_tokens=SHORT)  # fmt: skip
+                     max_new_tokens=SHORT, batched_vision_attention=True)  # fmt: skip
+    assert again["batched_vision_attention"] is True
     assert again["per_row"]["index"] == per_row["index"][1:3]
     assert again["per_row"]["answer"] == per_row["answer"][1:3]
     for bad in ([], [8], [-1]):
@@ -207,6 +230,16 @@ def test_the_command_line_writes_the_report(tiny_model_dir: Path, tiny_split_dir
     report = json.loads(out.read_text())
     assert report["n"] == 2 and report["max_new_tokens"] == 256  # the command line runs the protocol as it is
     assert f"accuracy {report['accuracy_pct']:.2f}%" in done.stdout
+
+
+def test_the_command_line_turns_the_batched_vision_attention_on_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _parser().parse_args(["m", "d"]).batched_vision_attention is False
+    passed = []
+    monkeypatch.setattr("evaluator.__main__.evaluate", lambda *args, **kwargs: passed.append(kwargs) or {})
+    monkeypatch.setattr("evaluator.__main__.summary", lambda report: "")
+    for flag, value in (("--batched-vision-attention", True), ("--no-batched-vision-attention", False)):
+        assert main(["m", "d", flag]) == 0
+        assert passed.pop()["batched_vision_attention"] is value
 
 
 def test_the_command_line_rejects_bad_input_in_one_line(

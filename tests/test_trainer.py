@@ -110,16 +110,47 @@ def changed_weights(base_dir: Path, merged_dir: Path) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- configuration
-def test_gradient_checkpointing_defaults_to_full_fine_tuning_only():
+@pytest.mark.parametrize("value", [None, True, False, 1, 2, 28])
+def test_gradient_checkpointing_takes_a_switch_or_a_layer_interval(value):
+    from trainer.config import TrialConfig
+
+    assert TrialConfig(model_path="m", train_path="t", output_dir="o", gradient_checkpointing=value)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("gradient_checkpointing", "yes", "must be true, false, null or a layer interval in [1, 1024], got 'yes'"),
+        ("gradient_checkpointing", 0, "must be true, false, null or a layer interval"),
+        ("gradient_checkpointing", -2, "must be true, false, null or a layer interval"),
+        ("gradient_checkpointing", 2.0, "must be true, false, null or a layer interval"),
+        ("gradient_checkpointing", 4096, "must be true, false, null or a layer interval"),
+        ("liger_kernels", "yes", "must be true or false, got 'yes'"),
+        ("liger_kernels", 1, "must be true or false, got 1"),
+        ("liger_kernels", None, "must be true or false, got None"),
+        ("compile_training", None, "must be true or false, got None"),
+    ],
+)
+def test_speed_options_refuse_what_they_cannot_mean(option, value, message):
+    import re
+
+    from trainer.config import ConfigError, TrialConfig
+
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{option}: {message}")):
+        TrialConfig(model_path="m", train_path="t", output_dir="o", **{option: value})
+
+
+def test_batched_vision_attention_is_true_or_false_and_off_by_default(tmp_path):
     from trainer.config import ConfigError, TrialConfig
 
     paths = dict(model_path="m", train_path="t", output_dir="o")
-    assert TrialConfig(**paths, lora_rank=0).effective_gradient_checkpointing is True
-    assert TrialConfig(**paths, lora_rank=64).effective_gradient_checkpointing is False
-    assert TrialConfig(**paths, lora_rank=64, gradient_checkpointing=True).effective_gradient_checkpointing is True
-    assert TrialConfig(**paths, lora_rank=0, gradient_checkpointing=False).effective_gradient_checkpointing is False
-    with pytest.raises(ConfigError, match="^gradient_checkpointing: must be true, false or null"):
-        TrialConfig(**paths, gradient_checkpointing="yes")
+    assert TrialConfig(**paths).batched_vision_attention is False
+    for value in (True, False):
+        TrialConfig(**paths, batched_vision_attention=value).to_json(tmp_path / "trial.json")
+        assert TrialConfig.from_json(tmp_path / "trial.json").batched_vision_attention is value
+    for bad in ("yes", 1, None):
+        with pytest.raises(ConfigError, match="^batched_vision_attention: must be true or false"):
+            TrialConfig(**paths, batched_vision_attention=bad)
 
 
 def test_bad_config_exits_2_with_one_line(tmp_path, tiny_model_dir, splits):
@@ -228,6 +259,7 @@ def test_replica_synced_from_a_fully_fine_tuned_policy_computes_what_it_computes
             if parameter.requires_grad:
                 parameter.add_(0.05 * torch.randn_like(parameter))
     replica = RolloutReplica(tiny_model_dir, torch.float32, torch.device("cpu"))
+    assert replica.model.config.vision_config._attn_implementation == "sdpa"  # the batched attention: GPU default
     ids = torch.randint(0, 3000, (2, 12))
     with torch.no_grad():
         stale = replica.model(input_ids=ids).logits
@@ -327,9 +359,11 @@ def test_train_vision_tower_trains_the_tower_and_the_language_model(tmp_path, ti
     from trainer.round import run_round
 
     monkeypatch.setitem(rewards.REWARDS, "token_parity", token_parity)
+    # The LoRA round trains the tower through the batched vision attention (off by default on a CPU).
     trial = json.loads(write_trial(tmp_path, tiny_model_dir, splits, lora_rank=lora_rank, steps=2,
                                    learning_rate=1e-2 if lora_rank else 1e-3, prompts_per_step=2,
-                                   reward_weights={"token_parity": 1.0}, train_vision_tower=True).read_text())
+                                   reward_weights={"token_parity": 1.0}, train_vision_tower=True,
+                                   batched_vision_attention=bool(lora_rank)).read_text())  # fmt: skip
     result = run_round(TrialConfig(**trial))
     assert result.state == "completed", result.reason
     changed = changed_weights(tiny_model_dir, tmp_path / "run" / "merged")
@@ -499,3 +533,61 @@ def test_a_round_that_continues_another_starts_from_its_merged_weights(tmp_path,
     child_weights = load_merged(child)[0].state_dict()
     assert any(not torch.equal(child_weights[name], parent_weights[name]) for name in parent_weights)
     assert json.loads((child / "config.json").read_text()) == json.loads((tiny_model_dir / "config.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------- speed options
+def test_liger_kernels_requested_off_cuda_fail_the_round_at_set_up(tmp_path, tiny_model_dir, splits):
+    from trainer.config import TrialConfig
+    from trainer.round import run_round
+
+    config = TrialConfig.from_json(write_trial(tmp_path, tiny_model_dir, splits, liger_kernels=True))
+    result = run_round(config)
+    status = read_status(tmp_path / "run")
+    assert result.state == status["state"] == "failed" and status["steps_done"] == 0
+    assert status["reason"].startswith("ConfigError: liger_kernels: true needs liger-kernel's Triton kernels on CUDA")
+
+
+def test_selective_checkpointing_survives_trls_no_grad_pass_and_defaults_resolve_off_cuda(
+    tmp_path, tiny_model_dir, splits, monkeypatch
+):
+    """`gradient_checkpointing: 2` checkpoints the first of the tiny model's two decoder layers (the vision tower's two
+    blocks come first: indices 2 and 3) in every gradient pass, although TRL re-enables checkpointing on every layer
+    after each generation's no-grad log-probabilities; liger left at null is off on a CPU."""
+    from trainer.config import TrialConfig
+    from trainer.rollout import ReplicaGRPOTrainer
+    from trainer.round import run_round
+
+    flags: list[list[bool]] = []
+    compute_loss = ReplicaGRPOTrainer.compute_loss
+
+    def recording(self, model, inputs, *args, **kwargs):
+        layers = self.accelerator.unwrap_model(model).base_model.model.model.language_model.layers
+        flags.append([layer.gradient_checkpointing for layer in layers])
+        return compute_loss(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(ReplicaGRPOTrainer, "compute_loss", recording)
+    config = TrialConfig.from_json(write_trial(tmp_path, tiny_model_dir, splits, steps=2, gradient_checkpointing=2))
+    result = run_round(config)
+    assert result.state == "completed", result.reason
+    assert result.settings == {"liger_kernels": False, "checkpoint_every": 2, "estimated_peak_gb": None}
+    assert flags == [[True, False], [True, False]]
+
+
+def test_liger_kernels_bind_to_the_policy_alone(tiny_model_dir):
+    """liger's layer kernels go on the given model's modules; transformers' qwen2_vl module (and so every model built
+    after, such as the rollout replica) keeps its own classes and rotary function. Binding only: Triton needs CUDA."""
+    pytest.importorskip("liger_kernel")
+    from transformers import Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl import modeling_qwen2_vl
+
+    from trainer.kernels import apply_liger_kernels
+
+    before = dict(vars(modeling_qwen2_vl))
+    model = Qwen2VLForConditionalGeneration.from_pretrained(tiny_model_dir)
+    apply_liger_kernels(model)
+    layer = model.model.language_model.layers[0]
+    assert "forward" in vars(layer.mlp) and "forward" in vars(layer.input_layernorm)
+    assert "forward" in vars(model.model.visual.blocks[0].norm1)
+    assert {name: value for name, value in vars(modeling_qwen2_vl).items() if before.get(name) is not value} == {}
+    other = Qwen2VLForConditionalGeneration.from_pretrained(tiny_model_dir)
+    assert "forward" not in vars(other.model.language_model.layers[0].mlp)

@@ -36,6 +36,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import pad
 
 from evaluator.generation import tokens_until_eos
+from evaluator.vision_attention import use_batched_vision_attention
 
 # Static caches are sized in multiples of this many positions, so prompts of slightly different lengths share one
 # compiled decode step (transformers keeps the largest cache length it has seen, and recompiles when it grows).
@@ -43,12 +44,22 @@ CACHE_LENGTH_QUANTUM = 256
 
 
 class RolloutReplica:
-    """An inference copy of the policy; `sync_from(policy)` writes the policy's current weights into it in place."""
+    """An inference copy of the policy; `sync_from(policy)` writes the policy's current weights into it in place.
+    `batched_vision_attention`: its vision tower attends to all the images of a prefill at once (see
+    `evaluator.vision_attention`)."""
 
-    def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        model_path: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        batched_vision_attention: bool = False,
+    ):
         self.model = Qwen2VLForConditionalGeneration.from_pretrained(
             model_path, dtype=dtype, attn_implementation="sdpa"
         ).to(device)
+        if batched_vision_attention:
+            use_batched_vision_attention(self.model)
         self.model.eval().requires_grad_(False)
         self._parameters = dict(self.model.named_parameters())
 
@@ -83,6 +94,18 @@ class ReplicaGRPOTrainer(GRPOTrainer):
         if compile_rollouts:
             self.rollout_generation_config.cache_implementation = "static"
             self.rollout_generation_config.disable_compile = False
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        # TRL turns checkpointing off for its no-grad log-probabilities and back on with `gradient_checkpointing_kwargs`
+        # as the checkpoint function's arguments: on every layer, `every_n_layers` passed on to the layers' forward.
+        # The configured layers are set again before the gradient pass.
+        kwargs = dict(self.args.gradient_checkpointing_kwargs or {})
+        every = kwargs.pop("every_n_layers", 1)
+        if self.args.gradient_checkpointing and every > 1:
+            model = self.accelerator.unwrap_model(self.model)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None, every_n_layers=every)
+        return output
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.use_vllm or self.use_transformers_continuous_batching or has_tool_images:

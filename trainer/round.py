@@ -31,9 +31,12 @@ from trl import GRPOConfig
 
 from evaluator.generation import generate_completions
 from evaluator.protocol import extract_answer, parse_gold
+from evaluator.vision_attention import use_batched_vision_attention
+from trainer import memory
 from trainer.config import ConfigError, TrialConfig
 from trainer.cpu_loss import completion_positions_only
 from trainer.data import build_ood_subset, build_train_dataset
+from trainer.kernels import apply_liger_kernels, use_liger
 from trainer.layout import BatchLayout, batch_layout
 from trainer.failure import describe_exception
 from trainer.progress import FORMAT_RATE, ProgressCallback, StopRequest, format_rate
@@ -70,6 +73,9 @@ class RoundResult:
     merged_dir: str | None = None
     output_dir: str = ""
     kind: FailureKind | None = None  # when FAILED
+    # How the options left to the round resolved: `liger_kernels` (bool), `checkpoint_every` (0: no gradient
+    # checkpointing, n: every n-th layer), `estimated_peak_gb` (trainer.memory; None off CUDA).
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 def run_round(config: TrialConfig) -> RoundResult:
@@ -86,9 +92,10 @@ def run_round(config: TrialConfig) -> RoundResult:
     timings = {"setup": 0.0, "train": 0.0, "save": 0.0}
     state, kind, reason, steps_done, merged = RoundState.FAILED, FailureKind.ERROR, None, 0, None
     progress: ProgressCallback | None = None
+    settings: dict[str, Any] = {}
     try:
         layout = batch_layout(config, distributed.num_processes)
-        trainer, progress = _build_trainer(config, layout, start, stop, distributed.device)
+        trainer, progress = _build_trainer(config, layout, start, stop, distributed.device, settings)
         timings["setup"] = time.monotonic() - start
 
         began = time.monotonic()
@@ -125,7 +132,7 @@ def run_round(config: TrialConfig) -> RoundResult:
             if first is not None and first.rank != distributed.process_index:
                 kind, reason = first.kind, f"rank {first.rank}: {first.reason}"
         write_status(out, Status(state, reason, steps_done, timings, kind))
-    return RoundResult(state, reason, steps_done, timings, merged, str(out), kind)
+    return RoundResult(state, reason, steps_done, timings, merged, str(out), kind, settings)
 
 
 def _clear_previous_outputs(out: Path) -> None:
@@ -137,9 +144,12 @@ def _clear_previous_outputs(out: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------- building
 def _build_trainer(
-    config: TrialConfig, layout: BatchLayout, start: float, stop: StopRequest, device: torch.device
+    config: TrialConfig, layout: BatchLayout, start: float, stop: StopRequest, device: torch.device,
+    settings: dict[str, Any],
 ) -> tuple[ReplicaGRPOTrainer, ProgressCallback]:
+    """The trainer, ready to train; `settings` receives how the options left to the round resolved."""
     on_gpu = device.type == "cuda"
+    liger = use_liger(config, on_gpu)  # before any loading: a request that cannot be met fails at once
     reward_funcs, reward_weights = build_reward_funcs(config)
     train_dataset = build_train_dataset(config)
     if len(train_dataset) < layout.generation_prompts:
@@ -150,11 +160,24 @@ def _build_trainer(
         )
     ood_rows = build_ood_subset(config)
 
+    batched_vision_attention = config.batched_vision_attention
     model = _load_model(config, on_gpu)
+    if batched_vision_attention:  # the policy's forwards (old log-probs, training) run the tower too, frozen or not
+        use_batched_vision_attention(model)
+    if liger:
+        apply_liger_kernels(model)
+    if config.compile_training and on_gpu and config.lora_rank == 0:
+        # Regional compilation: the layers share their code, so one graph serves them all; compiled in place, the
+        # parameter names stay those the replica's sync and the save read.
+        for layer in model.model.language_model.layers:
+            layer.compile(dynamic=True)
+    checkpoint_every, peak = checkpoint_interval(config, model, layout, device)
+    settings.update(liger_kernels=liger, checkpoint_every=checkpoint_every,
+                    estimated_peak_gb=None if peak is None else round(peak / memory.GiB, 2))  # fmt: skip
     processor = _training_processor(config)
     if FORMAT_RATE not in config.reward_weights:  # else the configured reward of that name is logged as it
         reward_funcs, reward_weights = reward_funcs + [format_rate], reward_weights + [0.0]
-    args = _grpo_config(config, layout, reward_weights, on_gpu)
+    args = _grpo_config(config, layout, reward_weights, on_gpu, checkpoint_every)
     progress = ProgressCallback(
         config.output_dir,
         reward_names=list(config.reward_weights),
@@ -163,7 +186,9 @@ def _build_trainer(
         eval_every=config.eval_every if ood_rows is not None else 0,
     )
     # The base checkpoint's dtype on GPU (bfloat16 for Qwen2-VL-2B) for the replica the rollouts are sampled from.
-    replica = RolloutReplica(config.model_path, torch.bfloat16 if on_gpu else torch.float32, device)
+    replica = RolloutReplica(
+        config.model_path, torch.bfloat16 if on_gpu else torch.float32, device, batched_vision_attention
+    )
     trainer = ReplicaGRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,  # with `format_rate` at weight 0: a logged diagnostic, see trainer.progress
@@ -199,6 +224,35 @@ def _load_model(config: TrialConfig, on_gpu: bool) -> Qwen2VLForConditionalGener
     return model
 
 
+def checkpoint_interval(
+    config: TrialConfig, model: torch.nn.Module, layout: BatchLayout, device: torch.device
+) -> tuple[int, float | None]:
+    """(every how many layers to checkpoint, 0: none; the estimated peak in bytes of that choice, None off CUDA).
+
+    `gradient_checkpointing` as configured (true: 1, false: 0), else chosen by memory on CUDA (trainer.memory), every
+    layer when the vision tower trains (the estimate leaves its activations out), none on CPU."""
+    configured = config.gradient_checkpointing
+    if device.type != "cuda":
+        return (0 if configured is None else int(configured)), None
+    lora = _lora_config(config)
+    footprint = memory.footprint(
+        model,
+        lora_targets=None if lora is None else lora.target_modules,
+        lora_rank=config.lora_rank,
+        per_device_completions=layout.per_device_train_batch_size,
+        max_pixels=config.max_pixels,
+        max_completion_length=config.max_completion_length,
+        reference_model=config.full_finetuning and config.beta > 0,
+    )
+    if configured is not None:
+        every = int(configured)
+    elif config.train_vision_tower:
+        every = 1
+    else:
+        every = memory.choose_interval(footprint, torch.cuda.get_device_properties(device).total_memory)
+    return every, memory.peak_bytes(footprint, every)
+
+
 def _lora_config(config: TrialConfig) -> LoraConfig | None:
     if config.full_finetuning:
         return None
@@ -230,7 +284,9 @@ def _training_processor(config: TrialConfig) -> Any:
     return processor
 
 
-def _grpo_config(config: TrialConfig, layout: BatchLayout, reward_weights: list[float], on_gpu: bool) -> GRPOConfig:
+def _grpo_config(
+    config: TrialConfig, layout: BatchLayout, reward_weights: list[float], on_gpu: bool, checkpoint_every: int
+) -> GRPOConfig:
     # transformers' "constant" schedule ignores warmup; "constant_with_warmup" is the constant schedule with it.
     schedule = config.lr_schedule
     if schedule == "constant" and config.warmup_ratio > 0:
@@ -254,7 +310,11 @@ def _grpo_config(config: TrialConfig, layout: BatchLayout, reward_weights: list[
         max_completion_length=config.max_completion_length,
         reward_weights=reward_weights,
         bf16=on_gpu,  # GRPOConfig defaults bf16 to True, which on CPU would mean slow bf16 autocast
-        gradient_checkpointing=config.effective_gradient_checkpointing,
+        gradient_checkpointing=checkpoint_every > 0,
+        # transformers' selective checkpointing; every layer when 1 (trainer.rollout keeps it across TRL's toggling).
+        gradient_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": checkpoint_every}
+        if checkpoint_every > 1
+        else None,
         # Every trainable parameter is used in every step (every prompt has an image, so a trained vision tower is
         # too), so DDP need not search the graph for unused ones (TRL turns that search on for vision-language models).
         ddp_find_unused_parameters=False,
