@@ -132,8 +132,8 @@ def load_model(
     """The model in eval mode on `device` (bf16 with sdpa attention on a GPU, float32 on a CPU) and its processor.
 
     batched_vision_attention: the vision tower attends to a whole batch of images in one call
-    (`evaluator.vision_attention`) instead of once per image. Off by default: on a CPU it measured no faster, and
-    on a GPU its speed is not measured yet while its bf16 rounding differs from the verifier's per-image path.
+    (`evaluator.vision_attention`) instead of once per image. Off by default: the verifier runs the per-image path,
+    whose bf16 rounding the batched kernel does not reproduce exactly.
     """
     on_gpu = torch.device(device).type == "cuda"
     model = Qwen2VLForConditionalGeneration.from_pretrained(

@@ -83,21 +83,20 @@ class TrialConfig:
         "integer n on every n-th layer only (transformers' `every_n_layers`, counted over the vision blocks and the "
         "decoder layers; 1 is true). None: on CUDA the fewest checkpointed layers whose estimated peak fits the card "
         "(trainer/memory.py; every layer when the vision tower trains, whose activations it leaves out), none on CPU. "
-        "Full fine-tuning of the 2B model, 8 x 256-token completions a step (H200): 31 GB peak with every layer, 41 GB "
-        "with none, whose step is 1.5x faster.",
+        "Fewer checkpointed layers: a faster step, a higher peak (bench/results/2026-12-04-h200.json).",
         None,
     )
     liger_kernels: bool = _help(
         "Run the policy's RMSNorm, SwiGLU MLP (and the vision tower's LayerNorm) as liger-kernel's Triton kernels "
         "(the `gpu` extra: pip install '.[gpu]'); the loss stays TRL's. A round without them (no CUDA, no package) "
-        "fails at set-up. Off by default: on an H200 they saved 3 GB of peak (41.1 -> 37.8 GB without checkpointing) "
-        "but made the step slower (0.82 -> 0.90 s).",
+        "fails at set-up. Off by default: on an H200 they lower the peak but slow the step "
+        "(bench/results/2026-12-04-h200.json).",
         False,
     )
     compile_training: bool = _help(
         "Compile the policy's decoder layers for the training forward and backward (torch.compile per layer, in place, "
         "dynamic shapes). Full fine-tuning on a GPU only; ignored with LoRA and on a CPU, where it is not measured. "
-        "H200, 2B: 0.60 s a step against 0.75 s, the first steps paying about 15 s of compilation.",
+        "The first steps of a round compile.",
         True,
     )
     compile_rollouts: bool = _help(
@@ -107,8 +106,8 @@ class TrialConfig:
     )
     batched_vision_attention: bool = _help(
         "The vision tower attends to all the images of a forward in one call (evaluator.vision_attention) instead "
-        "of once per image and layer, in the rollout replica and in the trained policy. Off by default: on a CPU it "
-        "measured no faster; on a GPU it passes the bf16 tolerance test but its speed is not measured yet.",
+        "of once per image and layer, in the rollout replica and in the trained policy. Off by default until its GPU "
+        "speed is measured (on a CPU it is no faster).",
         False,
     )
 

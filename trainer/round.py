@@ -160,9 +160,8 @@ def _build_trainer(
         )
     ood_rows = build_ood_subset(config)
 
-    batched_vision_attention = config.batched_vision_attention
     model = _load_model(config, on_gpu)
-    if batched_vision_attention:  # the policy's forwards (old log-probs, training) run the tower too, frozen or not
+    if config.batched_vision_attention:  # the policy's forwards (old log-probs, training) run the tower too, frozen or not
         use_batched_vision_attention(model)
     if liger:
         apply_liger_kernels(model)
@@ -187,7 +186,7 @@ def _build_trainer(
     )
     # The base checkpoint's dtype on GPU (bfloat16 for Qwen2-VL-2B) for the replica the rollouts are sampled from.
     replica = RolloutReplica(
-        config.model_path, torch.bfloat16 if on_gpu else torch.float32, device, batched_vision_attention
+        config.model_path, torch.bfloat16 if on_gpu else torch.float32, device, config.batched_vision_attention
     )
     trainer = ReplicaGRPOTrainer(
         model=model,
