@@ -39,7 +39,12 @@ PLAIN_BATCH_SIZE = 64  # the brief's measured self-check setting
 REPO = Path(__file__).resolve().parents[1]
 
 
-def measure(model_dir: Path, split_dir: Path, plain_rows: int, batch_sizes: list[int]) -> dict[str, Any]:
+def measure(model_dir: Path, split_dir: Path, plain_rows: int, batch_sizes: list[int],
+            record: Any = lambda figures: None) -> dict[str, Any]:  # fmt: skip
+    """The evaluator's examples/s (static cache, compiled decode) at each of `batch_sizes`, and at the best of them
+    with the vision tower's attention batched too, against plain batch-64 `generate` on `plain_rows` rows, all on one
+    loaded model; then `python -m evaluator` end to end with the best settings. `record` gets the figures so far
+    after each measurement."""
     rows = load_split(split_dir)
     model, processor = load_model(model_dir, "cuda:0")
     generate_completions(model, processor, rows.select(range(8)), batch_size=8, max_new_tokens=8)  # warm-up
@@ -48,41 +53,56 @@ def measure(model_dir: Path, split_dir: Path, plain_rows: int, batch_sizes: list
     plain = [rows[index] for index in range(min(plain_rows, len(rows)))]
     seconds, _ = _timed(lambda: _plain(model, processor, plain))
     figures["plain"] = _speed(PLAIN_BATCH_SIZE, len(plain), seconds)
+    record(figures)
 
-    for batch_size in batch_sizes:
+    def evaluator_speed(batch_size: int) -> dict[str, Any]:
         first, _ = _timed(lambda: generate_completions(model, processor, rows.select(range(batch_size)), batch_size,
                                                        static_cache=True))  # fmt: skip
         seconds, completions = _timed(lambda: generate_completions(model, processor, rows, batch_size,
                                                                    static_cache=True))  # fmt: skip
-        figures[f"evaluator_static_{batch_size}"] = {
-            **_speed(batch_size, len(rows), seconds),
-            "compile_call_seconds": first,
-            "mean_completion_tokens": sum(c.n_tokens for c in completions) / len(completions),
-        }
+        return {**_speed(batch_size, len(rows), seconds), "compile_call_seconds": first,
+                "mean_completion_tokens": sum(c.n_tokens for c in completions) / len(completions)}  # fmt: skip
+
+    for batch_size in batch_sizes:
+        figures[f"evaluator_static_{batch_size}"] = evaluator_speed(batch_size)
+        record(figures)
+    best_size = max(batch_sizes, key=lambda size: figures[f"evaluator_static_{size}"]["examples_per_s"])
+    batched.use_batched_vision_attention(model, True)
+    figures[f"evaluator_static_{best_size}_batched_vision"] = evaluator_speed(best_size)
+    batched.use_batched_vision_attention(model, False)
     del model
     torch.cuda.empty_cache()
 
-    best = max(batch_sizes, key=lambda size: figures[f"evaluator_static_{size}"]["examples_per_s"])
-    figures["best_batch_size"] = best
-    figures["speedup"] = figures[f"evaluator_static_{best}"]["examples_per_s"] / figures["plain"]["examples_per_s"]
+    best = max((name for name in figures if name.startswith("evaluator_static_")),
+               key=lambda name: figures[name]["examples_per_s"])  # fmt: skip
+    vision_batched = best.endswith("_batched_vision")
+    figures["best"] = {"batch_size": best_size, "batched_vision_attention": vision_batched}
+    figures["speedup"] = figures[best]["examples_per_s"] / figures["plain"]["examples_per_s"]
+    record(figures)
     with tempfile.TemporaryDirectory() as inductor_cache:
         for name in ("end_to_end_cold", "end_to_end_warm"):
-            figures[name] = _end_to_end(model_dir, split_dir, best, inductor_cache)
+            figures[name] = _end_to_end(model_dir, split_dir, figures[best]["batch_size"], inductor_cache,
+                                        vision_batched)  # fmt: skip
+            record(figures)
     return figures
 
 
-def _end_to_end(model_dir: Path, split_dir: Path, batch_size: int, inductor_cache: str) -> dict[str, Any]:
+def _end_to_end(model_dir: Path, split_dir: Path, batch_size: int, inductor_cache: str,
+                batched_vision_attention: bool = False) -> dict[str, Any]:  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
         report_path = Path(scratch) / "report.json"
         command = [sys.executable, "-m", "evaluator", str(model_dir), str(split_dir), "--batch-size", str(batch_size),
                    "--out", str(report_path)]  # fmt: skip
+        if batched_vision_attention:
+            command.append("--batched-vision-attention")
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
         start = time.perf_counter()
         subprocess.run(command, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
         seconds = time.perf_counter() - start
         report = json.loads(report_path.read_text())
     return {"n": report["n"], "seconds": seconds, "examples_per_s": report["n"] / seconds,
-            "static_cache": report["static_cache"], "inside_seconds": report["seconds"]}  # fmt: skip
+            "static_cache": report["static_cache"], "batched_vision_attention": batched_vision_attention,
+            "inside_seconds": report["seconds"]}  # fmt: skip
 
 
 def _plain(model: Any, processor: Any, rows: list[dict[str, Any]]) -> list[str]:
@@ -144,11 +164,11 @@ def decode_profile(model_dir: Path, split_dir: Path, batch_size: int, new_tokens
 
 def vision_attention(model_dir: Path, split_dir: Path, device: str = "cuda:0", batch_size: int = 256,
                      rows: int | None = 512, max_new_tokens: int = GENERATION_KWARGS["max_new_tokens"],
-                     repeats: int = 3) -> dict[str, Any]:  # fmt: skip
+                     repeats: int = 3, record: Any = lambda figures: None) -> dict[str, Any]:  # fmt: skip
     """Per-image vision attention against the batched one, side by side on one loaded model: the vision tower's
     seconds for one batch of `batch_size` rows' images (the median of `repeats` after a warm-up), and the evaluator's
     examples/s on `rows` rows (static cache on a GPU, compiled by an untimed first pass). Also how far
-    the tower's outputs and the completions of the two are apart."""
+    the tower's outputs and the completions of the two are apart. `record` gets the figures after the tower's."""
     split = load_split(split_dir)
     split = split.select(range(min(rows or len(split), len(split))))
     on_gpu = torch.device(device).type == "cuda"
@@ -176,14 +196,16 @@ def vision_attention(model_dir: Path, split_dir: Path, device: str = "cuda:0", b
             for name, enabled in modes.items():
                 batched.use_batched_vision_attention(model, enabled)
                 seconds[name].append(_timed(lambda: tower(pixels, grid_thw=grid), device)[0])
+    for name in modes:
+        figures[name] = {"tower_seconds": statistics.median(seconds[name]), "tower_seconds_each": seconds[name]}
+    figures["tower_speedup"] = figures["per_image"]["tower_seconds"] / figures["batched"]["tower_seconds"]
+    record(figures)
     for name, enabled in modes.items():
         batched.use_batched_vision_attention(model, enabled)
         generate_seconds, completions[name] = _timed(generate, device)
-        figures[name] = {"tower_seconds": statistics.median(seconds[name]), "tower_seconds_each": seconds[name],
-                         **_speed(batch_size, len(split), generate_seconds)}  # fmt: skip
+        figures[name].update(_speed(batch_size, len(split), generate_seconds))
     batched.use_batched_vision_attention(model, False)
     difference = (outputs["batched"] - outputs["per_image"]).abs()
-    figures["tower_speedup"] = figures["per_image"]["tower_seconds"] / figures["batched"]["tower_seconds"]
     figures["eval_speedup"] = figures["batched"]["examples_per_s"] / figures["per_image"]["examples_per_s"]
     figures["tower_max_abs_difference"] = difference.max().item()
     figures["tower_max_relative_difference"] = (difference.max() / outputs["per_image"].abs().max()).item()

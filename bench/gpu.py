@@ -4,7 +4,8 @@ one results file with the headline ratios:
     python bench/gpu.py --sections eval,grpo,search --out bench/results/$(date +%F)-h200.json
 
 - eval (bench/eval_speed.py): the evaluator's examples/s against plain batch-64 `generate` (`eval_speedup`), on
-  --eval-speed-rows rows (its end-to-end runs too, on those rows);
+  --eval-speed-rows rows, at each of --eval-batch-sizes and at the best with batched vision attention (its
+  end-to-end runs too, on those rows, with the best settings);
 - eval_1k: 1,000 examples end to end in a fresh process (`eval_1k_seconds`, with a warm inductor cache, as in every
   evaluation of a search after its first; the cold run that warms it is in the raw figures);
 - decode_profile: where a compiled decode step's time goes, at --e2e-batch-size;
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plain-rows", type=int, default=128, help="rows for plain generate (it is slow)")
     parser.add_argument("--eval-batch-sizes", default="256", help="eval's evaluator batch sizes (256 was best)")
     parser.add_argument("--e2e-batch-size", type=int, default=256, help="batch size of eval_1k and decode_profile")
+    parser.add_argument("--batched-vision-attention", action="store_true", help="eval_1k's evaluator runs with it")
     parser.add_argument("--grpo-modes", default="full,lora")
     parser.add_argument("--grpo-steps", type=int, default=16, help="steps of this project's rounds")
     parser.add_argument("--grpo-generation-steps", type=int, default=8)
@@ -105,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
 
             split = _split(args.work / f"other-{args.eval_speed_rows}", args.eval_speed_rows)
             sizes = [int(size) for size in args.eval_batch_sizes.split(",")]
-            figures = eval_speed.measure(model, split, args.plain_rows, sizes)
+            figures = eval_speed.measure(model, split, args.plain_rows, sizes, record)
         elif section == "eval_1k":
             figures = eval_end_to_end(model, _split(args.work / f"other-{args.eval_rows}", args.eval_rows),
-                                      args.e2e_batch_size, record)  # fmt: skip
+                                      args.e2e_batch_size, args.batched_vision_attention, record)  # fmt: skip
         elif section == "decode_profile":
             from bench import eval_speed
 
@@ -126,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             from bench import eval_speed
 
             split = _split(args.work / f"other-{args.eval_speed_rows}", args.eval_speed_rows)
-            figures = eval_speed.vision_attention(model, split, "cuda:0", args.vision_batch_size, args.vision_rows)
+            figures = eval_speed.vision_attention(model, split, "cuda:0", args.vision_batch_size, args.vision_rows,
+                                                  record=record)  # fmt: skip
+            record(figures)
             figures["tower_alone"] = eval_speed.vision_tower_speed("cuda:0", images=256, sides=(448,))
         else:
             figures = search_overhead(model, args.work / "search", args.search_minutes)
@@ -135,17 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def eval_end_to_end(model: Path, split: Path, batch_size: int, record: Any) -> dict[str, Any]:
+def eval_end_to_end(model: Path, split: Path, batch_size: int, batched_vision_attention: bool,
+                    record: Any) -> dict[str, Any]:  # fmt: skip
     """`python -m evaluator` on every row of `split` in a fresh process, with an empty inductor cache and then with
     the cache that run left (bench/eval_speed.py's end-to-end run); recorded after each."""
     import tempfile
 
     from bench import eval_speed
 
-    figures: dict[str, Any] = {"rows": None, "batch_size": batch_size}
+    figures: dict[str, Any] = {"rows": None, "batch_size": batch_size, "batched_vision_attention": batched_vision_attention}
     with tempfile.TemporaryDirectory() as inductor_cache:
         for name in ("end_to_end_cold", "end_to_end_warm"):
-            figures[name] = eval_speed._end_to_end(model, split, batch_size, inductor_cache)
+            figures[name] = eval_speed._end_to_end(model, split, batch_size, inductor_cache, batched_vision_attention)
             figures["rows"] = figures[name]["n"]
             record(figures)
     return figures
@@ -163,9 +168,9 @@ def _headline(results: dict[str, Any]) -> dict[str, Any]:
             headline["grpo_full_speedup"] = results["grpo"]["full"]["speedup"]
         if "lora_vs_full" in results["grpo"]:
             headline["lora_vs_full"] = results["grpo"]["lora_vs_full"]
-    if "vision" in results:
-        headline["vision_tower_speedup"] = results["vision"]["tower_speedup"]
-        headline["vision_eval_speedup"] = results["vision"]["eval_speedup"]
+    for name in ("tower_speedup", "eval_speedup"):
+        if name in results.get("vision", {}):
+            headline[f"vision_{name}"] = results["vision"][name]
     if "overhead_fraction" in results.get("search", {}):
         headline["overhead_fraction"] = results["search"]["overhead_fraction"]
     return headline
