@@ -33,85 +33,101 @@ from evaluator.data import load_split
 from evaluator.evaluation import load_model
 from evaluator.generation import build_inputs, generate_completions
 from evaluator.protocol import GENERATION_KWARGS
+from evaluator import text_attention as folded
 from evaluator import vision_attention as batched
 
 PLAIN_BATCH_SIZE = 64  # the brief's measured self-check setting
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The evaluator's options measured at the best batch size, each against the default settings.
+OPTIONS = {
+    "folded_gqa": {"folded_gqa_attention": True},
+    "folded_gqa_batched_vision": {"folded_gqa_attention": True, "batched_vision_attention": True},
+}
+
+
 def measure(model_dir: Path, split_dir: Path, plain_rows: int, batch_sizes: list[int],
-            record: Any = lambda figures: None) -> dict[str, Any]:  # fmt: skip
+            record: Any = lambda figures: None, device: str = "cuda:0",
+            max_new_tokens: int = GENERATION_KWARGS["max_new_tokens"]) -> dict[str, Any]:  # fmt: skip
     """The evaluator's examples/s (static cache, compiled decode) at each of `batch_sizes`, and at the best of them
-    with the vision tower's attention batched too, against plain batch-64 `generate` on `plain_rows` rows, all on one
-    loaded model; then `python -m evaluator` end to end with the best settings. `record` gets the figures so far
-    after each measurement."""
+    with each of `OPTIONS` (and how many rows' completions differ from the default's), against plain batch-64
+    `generate` on `plain_rows` rows, all on one loaded model. `record` gets the figures so far after each
+    measurement; `best` names the fastest settings (bench/gpu.py's eval_1k runs with them)."""
     rows = load_split(split_dir)
-    model, processor = load_model(model_dir, "cuda:0")
+    on_gpu = torch.device(device).type == "cuda"
+    model, processor = load_model(model_dir, device)
     generate_completions(model, processor, rows.select(range(8)), batch_size=8, max_new_tokens=8)  # warm-up
     figures: dict[str, Any] = {"rows": len(rows)}
 
     plain = [rows[index] for index in range(min(plain_rows, len(rows)))]
-    seconds, _ = _timed(lambda: _plain(model, processor, plain))
+    seconds, _ = _timed(lambda: _plain(model, processor, plain, max_new_tokens), device)
     figures["plain"] = _speed(PLAIN_BATCH_SIZE, len(plain), seconds)
     record(figures)
 
-    def evaluator_speed(batch_size: int) -> dict[str, Any]:
+    def evaluator_speed(batch_size: int) -> tuple[dict[str, Any], list[str]]:
         first, _ = _timed(lambda: generate_completions(model, processor, rows.select(range(batch_size)), batch_size,
-                                                       static_cache=True))  # fmt: skip
-        seconds, completions = _timed(lambda: generate_completions(model, processor, rows, batch_size,
-                                                                   static_cache=True))  # fmt: skip
+                                                       max_new_tokens, static_cache=on_gpu), device)  # fmt: skip
+        seconds, completions = _timed(lambda: generate_completions(model, processor, rows, batch_size, max_new_tokens,
+                                                                   static_cache=on_gpu), device)  # fmt: skip
         return {**_speed(batch_size, len(rows), seconds), "compile_call_seconds": first,
-                "mean_completion_tokens": sum(c.n_tokens for c in completions) / len(completions)}  # fmt: skip
+                "mean_completion_tokens": sum(c.n_tokens for c in completions) / len(completions)}, [
+                    c.text for c in completions]  # fmt: skip
 
+    texts = {}
     for batch_size in batch_sizes:
-        figures[f"evaluator_static_{batch_size}"] = evaluator_speed(batch_size)
+        figures[f"evaluator_static_{batch_size}"], texts[batch_size] = evaluator_speed(batch_size)
         record(figures)
     best_size = max(batch_sizes, key=lambda size: figures[f"evaluator_static_{size}"]["examples_per_s"])
-    batched.use_batched_vision_attention(model, True)
-    figures[f"evaluator_static_{best_size}_batched_vision"] = evaluator_speed(best_size)
-    batched.use_batched_vision_attention(model, False)
+    settings = {f"evaluator_static_{size}": {"batch_size": size} for size in batch_sizes}
+    for name, options in OPTIONS.items():
+        _use_options(model, options)
+        speed, option_texts = evaluator_speed(best_size)
+        speed["rows_with_other_completions"] = sum(a != b for a, b in zip(option_texts, texts[best_size]))
+        figures[f"evaluator_static_{best_size}_{name}"] = speed
+        settings[f"evaluator_static_{best_size}_{name}"] = {"batch_size": best_size, **options}
+        _use_options(model, {})
+        record(figures)
     del model
-    torch.cuda.empty_cache()
+    if on_gpu:
+        torch.cuda.empty_cache()
 
-    best = max((name for name in figures if name.startswith("evaluator_static_")),
-               key=lambda name: figures[name]["examples_per_s"])  # fmt: skip
-    vision_batched = best.endswith("_batched_vision")
-    figures["best"] = {"batch_size": best_size, "batched_vision_attention": vision_batched}
+    best = max(settings, key=lambda name: figures[name]["examples_per_s"])
+    figures["best"] = settings[best]
     figures["speedup"] = figures[best]["examples_per_s"] / figures["plain"]["examples_per_s"]
-    record(figures)
-    with tempfile.TemporaryDirectory() as inductor_cache:
-        for name in ("end_to_end_cold", "end_to_end_warm"):
-            figures[name] = _end_to_end(model_dir, split_dir, figures[best]["batch_size"], inductor_cache,
-                                        vision_batched)  # fmt: skip
-            record(figures)
     return figures
 
 
-def _end_to_end(model_dir: Path, split_dir: Path, batch_size: int, inductor_cache: str,
-                batched_vision_attention: bool = False) -> dict[str, Any]:  # fmt: skip
+def _use_options(model: Any, options: dict[str, bool]) -> None:
+    batched.use_batched_vision_attention(model, options.get("batched_vision_attention", False))
+    folded.use_folded_gqa_attention(model, options.get("folded_gqa_attention", False))
+
+
+def _end_to_end(model_dir: Path, split_dir: Path, inductor_cache: str, batch_size: int,
+                **options: bool) -> dict[str, Any]:  # fmt: skip
+    """`python -m evaluator` on every row of the split in a fresh process, with `options` (`evaluate`'s flags)."""
     with tempfile.TemporaryDirectory() as scratch:
         report_path = Path(scratch) / "report.json"
         command = [sys.executable, "-m", "evaluator", str(model_dir), str(split_dir), "--batch-size", str(batch_size),
                    "--out", str(report_path)]  # fmt: skip
-        if batched_vision_attention:
-            command.append("--batched-vision-attention")
+        command += [f"--{name.replace('_', '-')}" for name, on in options.items() if on]
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
         start = time.perf_counter()
         subprocess.run(command, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
         seconds = time.perf_counter() - start
         report = json.loads(report_path.read_text())
     return {"n": report["n"], "seconds": seconds, "examples_per_s": report["n"] / seconds,
-            "static_cache": report["static_cache"], "batched_vision_attention": batched_vision_attention,
-            "inside_seconds": report["seconds"]}  # fmt: skip
+            "static_cache": report["static_cache"], "inside_seconds": report["seconds"], **options}  # fmt: skip
 
 
-def _plain(model: Any, processor: Any, rows: list[dict[str, Any]]) -> list[str]:
+def _plain(model: Any, processor: Any, rows: list[dict[str, Any]],
+           max_new_tokens: int = GENERATION_KWARGS["max_new_tokens"]) -> list[str]:  # fmt: skip
     """The self-check: fixed batches in input order, each prepared then generated, dynamic cache."""
     texts = []
     with torch.inference_mode():
         for start in range(0, len(rows), PLAIN_BATCH_SIZE):
-            inputs = build_inputs(processor, rows[start : start + PLAIN_BATCH_SIZE]).to("cuda:0")
-            output = model.generate(**inputs, **GENERATION_KWARGS)
+            inputs = build_inputs(processor, rows[start : start + PLAIN_BATCH_SIZE]).to(model.device)
+            output = model.generate(**inputs, **{**GENERATION_KWARGS, "max_new_tokens": max_new_tokens})
             new_tokens = output[:, inputs["input_ids"].shape[1] :]
             texts += processor.batch_decode(new_tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     return texts
@@ -133,17 +149,24 @@ def _speed(batch_size: int, n: int, seconds: float) -> dict[str, float]:
 
 
 def decode_profile(model_dir: Path, split_dir: Path, batch_size: int, new_tokens: int = 32) -> dict[str, Any]:
-    """Where a compiled static-cache decode step's time goes at `batch_size`: the CUDA time per decode step, and the
-    top operators by CUDA time over one batch of `new_tokens` steps, after a warm-up call that compiles."""
+    """Where a compiled static-cache generation of one batch of `batch_size` rows spends its time: prefill (a
+    generation of one token, which runs no decode step) against the decode steps (the rest of a `new_tokens`
+    generation, per step), and the top operators by CUDA time over the whole generation, after a warm-up call
+    that compiles."""
     from torch.profiler import ProfilerActivity, profile
 
     rows = load_split(split_dir).select(range(batch_size))
     model, processor = load_model(model_dir, "cuda:0")
-    generate_completions(model, processor, rows, batch_size, max_new_tokens=new_tokens, static_cache=True)
-    wall, _ = _timed(lambda: generate_completions(model, processor, rows, batch_size, max_new_tokens=new_tokens,
-                                                  static_cache=True))  # fmt: skip
+
+    def generate(tokens: int) -> Any:
+        return generate_completions(model, processor, rows, batch_size, max_new_tokens=tokens, static_cache=True)
+
+    generate(new_tokens)
+    generate(1)
+    prefill, _ = _timed(lambda: generate(1))
+    wall, _ = _timed(lambda: generate(new_tokens))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        generate_completions(model, processor, rows, batch_size, max_new_tokens=new_tokens, static_cache=True)
+        generate(new_tokens)
     torch.cuda.synchronize()
     events = prof.key_averages()
     cuda_total = sum(e.self_device_time_total for e in events) / 1e6
@@ -153,6 +176,10 @@ def decode_profile(model_dir: Path, split_dir: Path, batch_size: int, new_tokens
     return {
         "batch_size": batch_size,
         "new_tokens": new_tokens,
+        "wall_seconds": wall,
+        "prefill_seconds": prefill,
+        "prefill_fraction": prefill / wall,
+        "decode_ms_per_step": 1000 * (wall - prefill) / max(new_tokens - 1, 1),
         "wall_ms_per_token": 1000 * wall / new_tokens,
         "gpu_busy_ms_per_token": 1000 * cuda_total / new_tokens,
         "top_gpu_ops": [

@@ -4,11 +4,12 @@ one results file with the headline ratios:
     python bench/gpu.py --sections eval,grpo,search --out bench/results/$(date +%F)-h200.json
 
 - eval (bench/eval_speed.py): the evaluator's examples/s against plain batch-64 `generate` (`eval_speedup`), on
-  --eval-speed-rows rows, at each of --eval-batch-sizes and at the best with batched vision attention (its
-  end-to-end runs too, on those rows, with the best settings);
+  --eval-speed-rows rows, at each of --eval-batch-sizes and at the best with each of eval_speed.OPTIONS, with the
+  rows whose completions differ from the default settings';
 - eval_1k: 1,000 examples end to end in a fresh process (`eval_1k_seconds`, with a warm inductor cache, as in every
-  evaluation of a search after its first; the cold run that warms it is in the raw figures);
-- decode_profile: where a compiled decode step's time goes, at --e2e-batch-size;
+  evaluation of a search after its first; the cold run that warms it is in the raw figures), with the settings eval
+  found fastest when its figures are in --out, else the defaults at --e2e-batch-size;
+- decode_profile: one batch of --e2e-batch-size rows, prefill against decode steps and where the time goes;
 - grpo (bench/grpo_speed.py): completions/s of this project's trainer against TRL's defaults, full fine-tuning and
   LoRA r=64, group size 8 (`grpo_full_speedup`, `lora_vs_full`), peak memory of each;
 - profile (bench/grpo_profile.py): where full fine-tuning's step goes (rollout, old log-probs, forward, backward,
@@ -61,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-speed-rows", type=int, default=512, help="rows of eval's evaluator runs")
     parser.add_argument("--plain-rows", type=int, default=128, help="rows for plain generate (it is slow)")
     parser.add_argument("--eval-batch-sizes", default="256", help="eval's evaluator batch sizes (256 was best)")
-    parser.add_argument("--e2e-batch-size", type=int, default=256, help="batch size of eval_1k and decode_profile")
-    parser.add_argument("--batched-vision-attention", action="store_true", help="eval_1k's evaluator runs with it")
+    parser.add_argument("--e2e-batch-size", type=int, default=256,
+                        help="batch size of decode_profile, and of eval_1k without eval's figures")  # fmt: skip
+    parser.add_argument("--decode-profile-tokens", type=int, default=256, help="new tokens of decode_profile")
     parser.add_argument("--grpo-modes", default="full,lora")
     parser.add_argument("--grpo-steps", type=int, default=16, help="steps of this project's rounds")
     parser.add_argument("--grpo-generation-steps", type=int, default=8)
@@ -109,13 +111,15 @@ def main(argv: list[str] | None = None) -> int:
             sizes = [int(size) for size in args.eval_batch_sizes.split(",")]
             figures = eval_speed.measure(model, split, args.plain_rows, sizes, record)
         elif section == "eval_1k":
-            figures = eval_end_to_end(model, _split(args.work / f"other-{args.eval_rows}", args.eval_rows),
-                                      args.e2e_batch_size, args.batched_vision_attention, record)  # fmt: skip
+            # The settings the eval section found fastest, when its figures are in --out.
+            settings = results.get("eval", {}).get("best", {"batch_size": args.e2e_batch_size})
+            figures = eval_end_to_end(model, _split(args.work / f"other-{args.eval_rows}", args.eval_rows), settings,
+                                      record)  # fmt: skip
         elif section == "decode_profile":
             from bench import eval_speed
 
             split = _split(args.work / f"other-{args.eval_speed_rows}", args.eval_speed_rows)
-            figures = eval_speed.decode_profile(model, split, args.e2e_batch_size)
+            figures = eval_speed.decode_profile(model, split, args.e2e_batch_size, args.decode_profile_tokens)
         elif section == "grpo":
             from bench import grpo_speed
 
@@ -139,18 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def eval_end_to_end(model: Path, split: Path, batch_size: int, batched_vision_attention: bool,
-                    record: Any) -> dict[str, Any]:  # fmt: skip
-    """`python -m evaluator` on every row of `split` in a fresh process, with an empty inductor cache and then with
-    the cache that run left (bench/eval_speed.py's end-to-end run); recorded after each."""
+def eval_end_to_end(model: Path, split: Path, settings: dict[str, Any], record: Any) -> dict[str, Any]:
+    """`python -m evaluator` on every row of `split` with `settings` (a batch size and `evaluate`'s flags) in a
+    fresh process, with an empty inductor cache and then with the cache that run left; recorded after each."""
     import tempfile
 
     from bench import eval_speed
 
-    figures: dict[str, Any] = {"rows": None, "batch_size": batch_size, "batched_vision_attention": batched_vision_attention}
+    figures: dict[str, Any] = {"rows": None, "settings": settings}
     with tempfile.TemporaryDirectory() as inductor_cache:
         for name in ("end_to_end_cold", "end_to_end_warm"):
-            figures[name] = eval_speed._end_to_end(model, split, batch_size, inductor_cache, batched_vision_attention)
+            figures[name] = eval_speed._end_to_end(model, split, inductor_cache, **settings)
             figures["rows"] = figures[name]["n"]
             record(figures)
     return figures

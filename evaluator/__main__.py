@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size,
             static_cache=not args.dynamic_cache,
             batched_vision_attention=args.batched_vision_attention,
+            folded_gqa_attention=args.folded_gqa_attention,
         )
     except (DataError, ModelError) as error:
         print(f"evaluator: {error}", file=sys.stderr)
@@ -96,6 +97,13 @@ def _parser() -> argparse.ArgumentParser:
         default=False,
         help="the vision tower attends to all the images of a batch in one call instead of once per image and layer "
         "(default: off, the verifier's per-image path)",
+    )
+    parser.add_argument(
+        "--folded-gqa-attention",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the language model's query heads attend as rows of their shared key/value head instead of over a "
+        "copy of the cache per query head (default: off, transformers' sdpa as the verifier runs it)",
     )
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     return parser

@@ -22,6 +22,7 @@ from evaluator.data import DataError, load_split, subset_indices, validate_solut
 from evaluator.generation import Completion, generate_completions
 from evaluator.protocol import GENERATION_KWARGS
 from evaluator.report import build_report
+from evaluator.text_attention import use_folded_gqa_attention
 from evaluator.vision_attention import use_batched_vision_attention
 
 # Decoding costs about the same per step whatever the batch on a GPU, so big batches are nearly free throughput;
@@ -49,6 +50,7 @@ def evaluate(
     static_cache: bool = True,
     max_new_tokens: int = GENERATION_KWARGS["max_new_tokens"],
     batched_vision_attention: bool = False,
+    folded_gqa_attention: bool = False,
 ) -> dict[str, Any]:
     """The report of `model_dir` on the split folder `data` (see `report.build_report` for the scores).
 
@@ -57,7 +59,7 @@ def evaluate(
     devices: None for every visible GPU (the CPU when there is none), else device names, one worker each; the same
     name may repeat (["cpu", "cpu"] runs two CPU workers). static_cache: see `generate_completions`; ignored on a
     CPU. `max_new_tokens` other than 256 is not the verifier's protocol: it is for quick checks, and the report
-    records it. batched_vision_attention: see `load_model`.
+    records it. batched_vision_attention, folded_gqa_attention: see `load_model`.
     """
     start = time.perf_counter()
     model_dir = check_model_dir(model_dir)
@@ -78,7 +80,7 @@ def evaluate(
     shards = [shard for shard in shards if shard]
     jobs = [
         (model_dir, device, rows.select(shard), batch_size, max_new_tokens, static_cache, batched_vision_attention,
-         len(shards))
+         folded_gqa_attention, len(shards))
         for device, shard in zip(devices, shards)
     ]
     if len(jobs) == 1:
@@ -104,6 +106,7 @@ def evaluate(
         "max_new_tokens": max_new_tokens,
         "static_cache": static_cache,
         "batched_vision_attention": batched_vision_attention,
+        "folded_gqa_attention": folded_gqa_attention,
         "limit": limit,
         "seed": seed,
     }
@@ -127,13 +130,17 @@ def check_model_dir(path: str | Path) -> Path:
 
 
 def load_model(
-    model_dir: str | Path, device: str, batched_vision_attention: bool = False
+    model_dir: str | Path, device: str, batched_vision_attention: bool = False, folded_gqa_attention: bool = False
 ) -> tuple[Any, Any]:
     """The model in eval mode on `device` (bf16 with sdpa attention on a GPU, float32 on a CPU) and its processor.
 
     batched_vision_attention: the vision tower attends to a whole batch of images in one call
     (`evaluator.vision_attention`) instead of once per image. Off by default: the verifier runs the per-image path,
     whose bf16 rounding the batched kernel does not reproduce exactly.
+
+    folded_gqa_attention: the language model's query heads that share a key/value head attend as rows of that head
+    (`evaluator.text_attention`) instead of over a copy of the cache per query head. Off by default for the same
+    reason: another kernel, other rounding.
     """
     on_gpu = torch.device(device).type == "cuda"
     model = Qwen2VLForConditionalGeneration.from_pretrained(
@@ -144,6 +151,8 @@ def load_model(
     )
     if batched_vision_attention:
         use_batched_vision_attention(model)
+    if folded_gqa_attention:
+        use_folded_gqa_attention(model)
     return model.eval(), AutoProcessor.from_pretrained(model_dir)
 
 
@@ -164,6 +173,7 @@ def _run_shard(
     max_new_tokens: int,
     static_cache: bool,
     batched_vision_attention: bool,
+    folded_gqa_attention: bool,
     workers: int,
 ) -> list[Completion]:
     """One worker: load the model on `device` and generate its rows' completions, in their order."""
@@ -171,7 +181,7 @@ def _run_shard(
         torch.cuda.set_device(device)  # keeps this process's CUDA context off the other workers' GPUs
     elif workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))  # CPU workers share the cores
-    model, processor = load_model(model_dir, device, batched_vision_attention)
+    model, processor = load_model(model_dir, device, batched_vision_attention, folded_gqa_attention)
     return generate_completions(
         model, processor, rows, batch_size=batch_size, max_new_tokens=max_new_tokens, static_cache=static_cache
     )

@@ -180,7 +180,7 @@ class Scheduler:
             while True:
                 now = self.clock.now()
                 if now >= self._sweep_at:
-                    self._sweep(now)
+                    self._sweep()
                     self._sweep_at = now + HEARTBEAT_S
                 for slot, r in list(self._running.items()):
                     try:
@@ -188,13 +188,13 @@ class Scheduler:
                             raise optuna.exceptions.UpdateFinishedTrialError(f"trial {r.trial.number} was finished")
                         self._poll(slot, now)
                     except optuna.exceptions.UpdateFinishedTrialError:
-                        self._end_lost_round(r, now)
+                        self._end_lost_round(r)
                 for slot in range(len(self._slots)):
                     if self._closed is None and slot not in self._running:
                         try:
                             self._launch(slot, now)
                         except optuna.exceptions.UpdateFinishedTrialError as error:  # finished before it started
-                            self._say(now, f"a round was finished by another worker before it started: {error}")
+                            self._say(f"a round was finished by another worker before it started: {error}")
                 if self._closed is not None and not self._running:
                     break
                 self._status(now)
@@ -203,7 +203,7 @@ class Scheduler:
             self._heartbeat.stop()
             self._abandon_running()
             _LIVE_WORKERS.discard(self.worker)
-        self._say(self.clock.now(), f"search over: {self._closed}; {self._best_text()}")
+        self._say(f"search over: {self._closed}; {self._best_text()}")
         self._check_in_reserve()
 
     def _launch(self, slot: int, now: float) -> None:
@@ -212,7 +212,7 @@ class Scheduler:
         base_fits = now + self.duration.eval_seconds() <= self.deadline  # it may use the reserve, not more
         if no_time and not (base_fits and (self._base_due or self._base_waiting())):
             left = _minutes(self.end_of_rounds - now)
-            self._close(now, f"no time left for a useful round ({left} before the reserve)")
+            self._close(f"no time left for a useful round ({left} before the reserve)")
             return
         if self._base_due and base_fits:
             trial, self._base_due = self._new_base_trial(), False
@@ -224,14 +224,14 @@ class Scheduler:
             self._launch_base(trial, slot, now)
             return
         if no_time:  # another worker took the base a moment ago
-            self._tell_failed(trial, "no time left for a useful round", now, count=False)
-            self._close(now, f"no time left for a useful round ({_minutes(self.end_of_rounds - now)} before the reserve)")
+            self._tell_failed(trial, "no time left for a useful round", count=False)
+            self._close(f"no time left for a useful round ({_minutes(self.end_of_rounds - now)} before the reserve)")
             return
         run_dir = self._run_dir(trial)
         try:
             config = space.sample_config(trial, self.settings, str(run_dir))
         except ConfigError as error:  # a sampled combination the trainer would refuse
-            self._tell_failed(trial, f"invalid configuration: {error}", now)
+            self._tell_failed(trial, f"invalid configuration: {error}")
             return
         init = space.sampled_init(trial)
         parent = self._parent(init)
@@ -243,7 +243,7 @@ class Scheduler:
         step_s = self.duration.longest_step(config)
         steps = self.duration.fit_steps(config, allotted - step_s - SAFETY_SHARE * allotted)
         if steps is None:
-            self._misfit(trial, config, allotted, now)
+            self._misfit(trial, config, allotted)
             return
         self._misfits = 0
         if steps < sampled_steps:
@@ -265,7 +265,7 @@ class Scheduler:
         try:
             handle = self.backend.start(config, gpus)
         except OSError as error:  # e.g. the run folder cannot be written, the launcher is missing
-            self._tell_failed(trial, f"could not start the round: {error}", now)
+            self._tell_failed(trial, f"could not start the round: {error}")
             return
         end_by = now + allotted
         self._running[slot] = _Round(
@@ -284,7 +284,6 @@ class Scheduler:
         cut = f" (cut from {sampled_steps})" if steps < sampled_steps else ""
         origin = "the base" if parent.model_path == self.settings.model_path else f"round {parent.trial}"
         self._say(
-            now,
             f"round {trial.number} starts on {_gpus(gpus)} from {origin}: {_describe(config)}, {config.steps} "
             f"steps{cut}, predicted {_minutes(estimate.total)} of {_minutes(allotted)}",
         )
@@ -309,13 +308,13 @@ class Scheduler:
         try:
             handle = self.backend.score(self.settings.model_path, str(run_dir), gpus)
         except OSError as error:
-            self._tell_failed(trial, f"could not start scoring the base model: {error}", now)
-            self._requeue_base(trial.number, now)
+            self._tell_failed(trial, f"could not start scoring the base model: {error}")
+            self._requeue_base(trial.number)
             return
         self._running[slot] = _Round(trial, None, gpus, handle, now, end_by, stop_at=end_by, kill_at=end_by,
                                      last_line_at=now)  # fmt: skip
         self._heartbeat.add(trial)
-        self._say(now, f"round {trial.number} starts on {_gpus(gpus)}: scoring the base model, predicted "
+        self._say(f"round {trial.number} starts on {_gpus(gpus)}: scoring the base model, predicted "
                        f"{_minutes(predicted)}")  # fmt: skip
 
     def _run_dir(self, trial: optuna.Trial) -> Path:
@@ -356,7 +355,7 @@ class Scheduler:
         trial_id = self.study._storage.create_new_trial(self.study._study_id, template_trial=template)
         return optuna.trial.Trial(self.study, trial_id)
 
-    def _misfit(self, trial: optuna.Trial, config: TrialConfig, allotted: float, now: float) -> None:
+    def _misfit(self, trial: optuna.Trial, config: TrialConfig, allotted: float) -> None:
         """Not even the shortest useful version of the sampled round fits in its allotment. Near the end (the time
         left is the limit) the search is over; otherwise (round_max is) this configuration is too slow: told PRUNED
         without a value, which TPE ranks below every scored trial, so it samples elsewhere."""
@@ -365,17 +364,17 @@ class Scheduler:
         trial.set_user_attr("steps", shortest)
         if allotted < 60.0 * self.settings.round_max_minutes:
             reason = f"no time left for a useful round: {shortest} steps need {needed}"
-            self._tell_failed(trial, reason, now, count=False)
-            self._close(now, f"no time left for a useful round ({_minutes(allotted)} before the reserve)")
+            self._tell_failed(trial, reason, count=False)
+            self._close(f"no time left for a useful round ({_minutes(allotted)} before the reserve)")
             return
         reason = f"too slow: its shortest useful round ({shortest} steps) needs {needed}, more than round_max_minutes"
         trial.set_user_attr("state", RoundState.PRUNED)
         trial.set_user_attr("reason", reason)
         self._tell(trial, state=TrialState.PRUNED)
-        self._say(now, f"round {trial.number} not run: {reason}")
+        self._say(f"round {trial.number} not run: {reason}")
         self._misfits += 1
         if self._misfits >= MAX_CONSECUTIVE_MISFITS:
-            self._close(now, f"{self._misfits} sampled configurations in a row are too slow for round_max_minutes")
+            self._close(f"{self._misfits} sampled configurations in a row are too slow for round_max_minutes")
 
     def _poll(self, slot: int, now: float) -> None:
         r = self._running[slot]
@@ -399,7 +398,7 @@ class Scheduler:
         elif now >= r.stop_at and r.stopped is None and r.pruned is None and self._still_stepping(r):
             r.stopped = "stopped: over its allotment"
             r.handle.request_stop()
-            self._say(now, f"round {r.trial.number} {r.stopped} (step {r.latest.get('step', 0)}/{r.config.steps})")
+            self._say(f"round {r.trial.number} {r.stopped} (step {r.latest.get('step', 0)}/{r.config.steps})")
 
     @staticmethod
     def _still_stepping(r: _Round) -> bool:
@@ -414,7 +413,7 @@ class Scheduler:
             r.pruned = f"pruned by {type(self.study.pruner).__name__} at step {step}: ood subset accuracy {value:.1f}"
             # Its model is not worth scoring: free the GPUs after the save the trainer does anyway.
             r.handle.request_stop(evaluate=False)
-            self._say(self.clock.now(), f"round {r.trial.number} {r.pruned}")
+            self._say(f"round {r.trial.number} {r.pruned}")
 
     # ------------------------------------------------------------------ a round ends
     def _finish(self, slot: int, now: float) -> None:
@@ -456,7 +455,7 @@ class Scheduler:
         if scored and (self._best is None or outcome.ood_accuracy > self._best[0]):
             self._promote(r.trial, outcome)
         if r.config is None and not scored:
-            self._requeue_base(r.trial.number, now)
+            self._requeue_base(r.trial.number)
 
         if self.on_round_scored is not None:
             self.on_round_scored(r.trial, outcome)
@@ -467,9 +466,9 @@ class Scheduler:
         else:
             self._tell(r.trial, state=TrialState.FAIL)
         self._heartbeat.remove(r.trial)  # only now: a promotion of minutes keeps the trial RUNNING, and stamped
-        self._count(state, now)
+        self._count(state)
         score = f"ood {outcome.ood_accuracy:.1f}%, " if outcome.ood_accuracy is not None else ""
-        self._say(now, f"round {r.trial.number} {state}: {score}{reason or 'ok'} after {_minutes(now - r.started)}")
+        self._say(f"round {r.trial.number} {state}: {score}{reason or 'ok'} after {_minutes(now - r.started)}")
         if self.on_round_end is not None:
             self.on_round_end(self.study.get_trials(deepcopy=False)[r.trial.number], outcome)
 
@@ -479,14 +478,14 @@ class Scheduler:
             promoted = self.promote(outcome, trial)
         except Exception as error:  # a failed promotion keeps the previous submission; the search goes on
             trial.set_user_attr("promotion_error", f"{type(error).__name__}: {error}")
-            self._say(self.clock.now(), f"round {trial.number} not promoted: {error}")
+            self._say(f"round {trial.number} not promoted: {error}")
             return
         finally:
             trial.set_user_attr("promotion_s", round(time.monotonic() - began, 1))
         trial.set_user_attr("promoted", bool(promoted))
         if promoted:
             self._best = (outcome.ood_accuracy, trial.number)
-            self._say(self.clock.now(), f"round {trial.number} promoted: ood {outcome.ood_accuracy:.1f}%")
+            self._say(f"round {trial.number} promoted: ood {outcome.ood_accuracy:.1f}%")
 
     def _promote_to_submission(self, outcome: RoundOutcome, trial: optuna.Trial) -> bool:
         """The real promotion, checked on the round's own GPUs (free until the next round starts there) against the
@@ -533,15 +532,15 @@ class Scheduler:
         with contextlib.suppress(Exception):  # the line is printed whatever the storage does
             self.study.set_user_attr(FINAL_CHECK_ATTR, {"passed": passed, "line": line, "worker": self.worker,
                                                         "time": self.clock.now()})  # fmt: skip
-        self._say(self.clock.now(), line)
+        self._say(line)
 
-    def _requeue_base(self, number: int, now: float) -> None:
+    def _requeue_base(self, number: int) -> None:
         """Round 0 did not give a score: score the base once more, next (it is the fallback submission); at most
         twice a study."""
         tried = [t for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get("recipe") == space.BASE]
         if len(tried) < 2:
             self._base_due = True
-            self._say(now, f"round {number} gave the base model no score: it is scored once more, next")
+            self._say(f"round {number} gave the base model no score: it is scored once more, next")
 
     def _tell(self, trial: optuna.Trial, *args, **kwargs) -> None:
         """`study.tell`, raising UpdateFinishedTrialError when another worker finished the trial first (Optuna says
@@ -553,7 +552,7 @@ class Scheduler:
                 raise optuna.exceptions.UpdateFinishedTrialError(f"trial {trial.number} was finished") from None
             raise
 
-    def _end_lost_round(self, r: _Round, now: float) -> None:
+    def _end_lost_round(self, r: _Round) -> None:
         """Another worker finished this round's trial (it took this worker for dead, or wrote to the study by hand):
         the round's processes are ended, its result is not recorded, and the search goes on."""
         for slot, running in list(self._running.items()):
@@ -564,26 +563,26 @@ class Scheduler:
             r.handle.kill()
         stored = self.study._storage.get_trial(r.trial._trial_id)
         why = f"{stored.state.name}: {stored.user_attrs.get('reason') or 'no reason recorded'}"
-        self._say(now, f"round {r.trial.number} ended here: another worker finished its trial ({why})")
+        self._say(f"round {r.trial.number} ended here: another worker finished its trial ({why})")
 
-    def _tell_failed(self, trial: optuna.Trial, reason: str, now: float, *, count: bool = True) -> None:
+    def _tell_failed(self, trial: optuna.Trial, reason: str, *, count: bool = True) -> None:
         trial.set_user_attr("state", RoundState.FAILED)
         trial.set_user_attr("reason", reason)
         self._tell(trial, state=TrialState.FAIL)
-        self._say(now, f"round {trial.number} failed: {reason}")
+        self._say(f"round {trial.number} failed: {reason}")
         if count:
-            self._count(RoundState.FAILED, now)
+            self._count(RoundState.FAILED)
 
-    def _count(self, state: RoundState, now: float) -> None:
+    def _count(self, state: RoundState) -> None:
         self._failures = self._failures + 1 if state == RoundState.FAILED else 0
         if self._failures >= MAX_CONSECUTIVE_FAILURES:
-            self._close(now, f"{self._failures} rounds in a row failed: see their reasons and train.log")
+            self._close(f"{self._failures} rounds in a row failed: see their reasons and train.log")
 
-    def _close(self, now: float, why: str) -> None:
+    def _close(self, why: str) -> None:
         if self._closed is None:
             self._closed = why
             waiting = f"; waiting for {len(self._running)} running round(s)" if self._running else ""
-            self._say(now, f"no more rounds: {why}{waiting}")
+            self._say(f"no more rounds: {why}{waiting}")
 
     # ------------------------------------------------------------------ sharing the study, resuming
     def _learn_from_history(self) -> None:
@@ -617,7 +616,7 @@ class Scheduler:
             if marker is not None and isinstance(marker.get("accuracy"), (int, float)):
                 self._best = (float(marker["accuracy"]), marker.get("trial"))
 
-    def _sweep(self, now: float) -> None:
+    def _sweep(self) -> None:
         """Fail the RUNNING trials of dead workers: one on this host whose process (or scheduler) is gone, or any whose
         heartbeat has not moved for ORPHAN_AFTER_S of this process's own time."""
         seen_at = _liveness_clock()
@@ -631,9 +630,9 @@ class Scheduler:
                 self._beats[t.number] = last = (beat, seen_at)
             dead_here = _dead_worker(t.user_attrs.get("worker"))
             if dead_here or seen_at - last[1] >= ORPHAN_AFTER_S:
-                self._fail_orphan(t, now, reap=dead_here)
+                self._fail_orphan(t, reap=dead_here)
 
-    def _fail_orphan(self, t: FrozenTrial, now: float, *, reap: bool = False) -> None:
+    def _fail_orphan(self, t: FrozenTrial, *, reap: bool = False) -> None:
         reason = "orphaned: the scheduler stopped during this round"
         # Its processes run in their own sessions and outlive a scheduler killed with SIGKILL (their leader gets
         # SIGTERM then, see local_backend; a process deaf to it, or a straggler, would hold the GPUs): a worker
@@ -644,7 +643,7 @@ class Scheduler:
             try:
                 killed = reap_orphan(t.user_attrs["run_dir"])
             except Exception as error:  # noqa: BLE001 - the sweep goes on; the trial is still failed
-                self._say(now, f"round {t.number}: could not end its processes: {type(error).__name__}: {error}")
+                self._say(f"round {t.number}: could not end its processes: {type(error).__name__}: {error}")
         trial = optuna.trial.Trial(self.study, t._trial_id)  # the live handle of a stored trial
         try:
             trial.set_user_attr("state", RoundState.FAILED)
@@ -654,7 +653,7 @@ class Scheduler:
             self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
         except optuna.exceptions.UpdateFinishedTrialError:
             return  # its worker was alive after all and told it meanwhile
-        self._say(now, f"round {t.number} {reason} (worker {t.user_attrs.get('worker', 'unknown')})")
+        self._say(f"round {t.number} {reason} (worker {t.user_attrs.get('worker', 'unknown')})")
 
     def _abandon_running(self) -> None:
         """The loop is leaving with rounds still running (an exception, Ctrl-C): kill them, since they run in their
@@ -689,13 +688,14 @@ class Scheduler:
             else:
                 text = Phase.EVALUATING
             parts.append(f"#{r.trial.number} {_gpus(r.gpus)} {text}")
-        self._say(now, " | ".join(parts + [self._best_text()]))
+        self._say(" | ".join(parts + [self._best_text()]))
 
     def _best_text(self) -> str:
         return f"best ood {self._best[0]:.1f}% (round {self._best[1]})" if self._best else "nothing promoted yet"
 
-    def _say(self, now: float, message: str) -> None:
-        say(f"[search {_minutes(self.deadline - now)} left] {message}")
+    def _say(self, message: str) -> None:
+        # The clock is read here, not where the line was composed: a promotion's check can take minutes in between.
+        say(f"[search {_minutes(self.deadline - self.clock.now())} left] {message}")
 
 
 def _set_user_attrs(trial: optuna.Trial, attrs: dict) -> None:

@@ -24,6 +24,7 @@ from evaluator.evaluation import load_model
 from evaluator.generation import Completion, build_inputs, generate_completions, tokens_until_eos
 from evaluator.protocol import EVAL_TEMPLATE, extract_answer
 from evaluator.report import build_report
+from evaluator.text_attention import use_folded_gqa_attention
 from evaluator.vision_attention import use_batched_vision_attention
 from synthetic.splits import iter_scenes
 
@@ -140,6 +141,24 @@ def test_batched_vision_attention_gives_the_per_image_answers_row_for_row(
     assert images_per_call == [4] * 2 * batched.config.vision_config.depth  # 2 batches of 4 images, every layer
 
 
+# The tiny model has 4 query heads on 2 key/value heads, so its attention folds as the 2B's 12 on 2 do.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_folded_gqa_attention_gives_the_sdpa_answers_row_for_row(
+    lively_model: Any, processor: Any, rows: list, device: str
+) -> None:
+    """Left-padded batches attend through a mask, where transformers' sdpa copies the cache per query head; folding
+    the query heads onto their key/value head (evaluator.text_attention) gives the same completions, row for row,
+    with the dynamic cache and with the static one (compiled on a GPU)."""
+    sdpa = copy.deepcopy(lively_model).to(device)
+    folded = copy.deepcopy(sdpa)
+    use_folded_gqa_attention(folded)
+    assert folded.config.text_config.num_attention_heads > folded.config.text_config.num_key_value_heads
+    for static_cache in (False, True):
+        expected = generate_completions(sdpa, processor, rows, 3, SHORT, static_cache=static_cache)
+        assert len({completion.text for completion in expected}) > 1, "the model must answer differently to some rows"
+        assert generate_completions(folded, processor, rows, 3, SHORT, static_cache=static_cache) == expected
+
+
 def test_completion_tokens_count_up_to_the_first_end_of_sequence() -> None:
     im_end, end_of_text = 151645, 151643  # Qwen2-VL's end-of-sequence ids; end_of_text also pads finished rows
     new_tokens = torch.tensor([[5, im_end, end_of_text, end_of_text], [5, 6, 7, 8], [end_of_text, 9, 9, 9]])
@@ -204,7 +223,7 @@ def test_per_row_answers_name_the_rows_of_the_split(tiny_model_dir: Path, tiny_s
     assert sum(a == g for a, g in zip(per_row["answer"], per_row["gold"])) == subset["correct"]
     again = evaluate(tiny_model_dir, tiny_split_dir, indices=per_row["index"][1:3], batch_size=2, devices=["cpu"],
                      max_new_tokens=SHORT, batched_vision_attention=True)  # fmt: skip
-    assert again["batched_vision_attention"] is True
+    assert again["batched_vision_attention"] is True and again["folded_gqa_attention"] is False
     assert again["per_row"]["index"] == per_row["index"][1:3]
     assert again["per_row"]["answer"] == per_row["answer"][1:3]
     for bad in ([], [8], [-1]):
@@ -232,14 +251,16 @@ def test_the_command_line_writes_the_report(tiny_model_dir: Path, tiny_split_dir
     assert f"accuracy {report['accuracy_pct']:.2f}%" in done.stdout
 
 
-def test_the_command_line_turns_the_batched_vision_attention_on_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _parser().parse_args(["m", "d"]).batched_vision_attention is False
+@pytest.mark.parametrize("option", ["batched_vision_attention", "folded_gqa_attention"])
+def test_the_command_line_turns_an_attention_option_on_and_off(option: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert getattr(_parser().parse_args(["m", "d"]), option) is False
     passed = []
     monkeypatch.setattr("evaluator.__main__.evaluate", lambda *args, **kwargs: passed.append(kwargs) or {})
     monkeypatch.setattr("evaluator.__main__.summary", lambda report: "")
-    for flag, value in (("--batched-vision-attention", True), ("--no-batched-vision-attention", False)):
-        assert main(["m", "d", flag]) == 0
-        assert passed.pop()["batched_vision_attention"] is value
+    flag = "--" + option.replace("_", "-")
+    for argument, value in ((flag, True), (flag.replace("--", "--no-", 1), False)):
+        assert main(["m", "d", argument]) == 0
+        assert passed.pop()[option] is value
 
 
 def test_the_command_line_rejects_bad_input_in_one_line(

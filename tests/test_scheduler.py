@@ -253,14 +253,14 @@ def test_only_trials_of_dead_workers_are_failed_as_orphans(tmp_path, monkeypatch
         return {name: trials[number].state for name, number in numbers.items()}
 
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        scheduler._sweep(now)
+        scheduler._sweep()
     assert states() == {"live elsewhere": TrialState.RUNNING, "stale elsewhere": TrialState.RUNNING,
                         "dead here": TrialState.FAIL, "stopped in this process": TrialState.FAIL}  # fmt: skip
     live = study.trials[numbers["live elsewhere"]]
     study._storage.set_trial_user_attr(live._trial_id, "heartbeat", now + 10 * 3600 + 60)  # it beats, by its clock
     elapsed[0] = scheduler_module.ORPHAN_AFTER_S
     with contextlib.redirect_stdout(out):
-        scheduler._sweep(now)
+        scheduler._sweep()
     assert states()["live elsewhere"] == TrialState.RUNNING and states()["stale elsewhere"] == TrialState.FAIL
     for name in ("stale elsewhere", "dead here", "stopped in this process"):
         assert study.trials[numbers[name]].user_attrs["reason"] == "orphaned: the scheduler stopped during this round"
@@ -311,6 +311,29 @@ def test_the_heartbeat_goes_on_while_a_promotion_blocks_the_loop(tmp_path, monke
     assert beats and all(first != later for first, later in beats), beats
 
 
+def test_the_time_left_on_each_line_is_read_when_the_line_is_printed(tmp_path):
+    """A promotion's check takes minutes; the lines after it say what is left then, never more than the line before."""
+
+    def slow_promotion(outcome, trial):
+        scheduler.clock.sleep(5 * 60)
+        return True
+
+    scheduler = scheduler_for(tmp_path, gpus=0, promote=slow_promotion, hours=1.5)
+    lines = [line for line in run(scheduler).splitlines() if line.startswith("[search ")]
+    left = [_minutes_left(line) for line in lines]
+    assert any("promoted" in line for line in lines)
+    assert all(later <= earlier for earlier, later in zip(left, left[1:])), lines
+
+
+def _minutes_left(line: str) -> int:
+    """"[search 1h05 left] ..." -> 65, "[search 12 min left] ..." -> 12."""
+    shown = line.split()[1]
+    if "h" in shown:
+        hours, minutes = shown.split("h")
+        return 60 * int(hours) + int(minutes)
+    return int(shown)
+
+
 def test_an_orphans_processes_are_reaped_only_inside_the_studys_rounds_folder(tmp_path):
     """A dead worker's trial records a run_dir outside runs_dir/<study>: its processes.jsonl (which anyone who can
     write the storage can point anywhere) is not read, the process it names lives on, and the trial is still failed."""
@@ -330,7 +353,7 @@ def test_an_orphans_processes_are_reaped_only_inside_the_studys_rounds_folder(tm
         trial.set_user_attr("worker", f"{socket.gethostname()}:{int(dead.stdout)}:eeeeee")
         trial.set_user_attr("run_dir", str(Path(scheduler.settings.rounds_dir) / ".." / ".." / "outside"))
         with contextlib.redirect_stdout(io.StringIO()) as out:
-            scheduler._sweep(scheduler.clock.now())
+            scheduler._sweep()
         assert victim.poll() is None  # alive
         assert scheduler.study.trials[trial.number].state == TrialState.FAIL
         assert "could not end its processes: OSError" in out.getvalue() and "is not inside" in out.getvalue()
