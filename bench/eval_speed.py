@@ -5,9 +5,12 @@ token happens to come, the worst case) and a synthetic split of 480x320 images, 
 
 - plain: `model.generate` on batches of 64 in input order, preprocessing inline, dynamic cache (the self-check);
 - evaluator: `generate_completions` (length-sorted batches, the next batch prepared on a thread, a static KV cache
-  with a compiled decode step) at each batch size; the first call at a size compiles and is timed apart;
-- end to end: `python -m evaluator` in a fresh process on all rows, timed from outside (imports, model load,
-  compilation, generation), once with an empty inductor cache and once with the cache the first run left.
+  with a compiled decode step) at each batch size, and at the best with each of `OPTIONS` (other attention
+  kernels); the first call of each compiles and is timed apart;
+- end to end (`_end_to_end`, run by bench/gpu.py's eval_1k): `python -m evaluator` in a fresh process on all rows,
+  timed from outside (imports, model load, compilation, generation).
+
+`decode_profile` splits one batch's generation into prefill and decode steps and lists the top GPU operators.
 
 `vision_attention` compares the vision tower's attention once per image (transformers' sdpa loop) with the batched
 one (`evaluator.vision_attention`) in one process: the tower's prefill seconds and the evaluator's examples/s.
