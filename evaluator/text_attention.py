@@ -3,7 +3,7 @@
 
 transformers 5.17's sdpa path repeats every key/value head for its query heads (`repeat_kv`) whenever there is an
 attention mask, because SDPA's `enable_gqa` with a mask falls back to its math kernel. A batched, left-padded decode
-with a static cache always has a mask, so each decode step copied the whole cache six times over in every layer.
+with a static cache always has a mask, so each decode step copies the whole cache six times over in every layer.
 This function folds instead: the query heads that share a key/value head become query rows of that head, (batch,
 kv_heads, group x queries, head_dim), each row with its own query's mask row. That is the same attention, row by row
 (every query row still attends alone), with the cache read in place. No library offers it for a masked SDPA call.
