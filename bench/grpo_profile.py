@@ -16,8 +16,7 @@ Phases (inclusive; a phase may contain another, e.g. `generate_and_score` holds 
 Each variant also reports `peak_gb` (the CUDA allocator's peak) and `settings`: how `liger_kernels` and
 `gradient_checkpointing` resolved in the round, with trainer/memory.py's estimated peak for that choice.
 
-`other` is the train seconds none of the phases cover (the dataloader, clipping, logging, the scheduler): it was 26% of
-a step until trainer.data cached the decoded images of a generation batch. Compilation
+`other` is the train seconds none of the phases cover (the dataloader, clipping, logging, the scheduler). Compilation
 of the first rollout falls in `rollout` of the first generation, reported apart as `first_rollout_s`.
 """
 

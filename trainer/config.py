@@ -106,8 +106,8 @@ class TrialConfig:
     )
     batched_vision_attention: bool = _help(
         "The vision tower attends to all the images of a forward in one call (evaluator.vision_attention) instead "
-        "of once per image and layer, in the rollout replica and in the trained policy. Off by default until its GPU "
-        "speed is measured (on a CPU it is no faster).",
+        "of once per image and layer, in the rollout replica and in the trained policy. Off by default: the tower is "
+        "a small part of a step, and no gain end to end was measured (bench/results/2026-12-04-h200.json).",
         False,
     )
 
