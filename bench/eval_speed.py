@@ -4,9 +4,10 @@ With the real Qwen2-VL-2B architecture (random weights: every completion runs to
 token happens to come, the worst case) and a synthetic split of 480x320 images, side by side in one process:
 
 - plain: `model.generate` on batches of 64 in input order, preprocessing inline, dynamic cache (the self-check);
-- evaluator: `generate_completions` (length-sorted batches, the next batch prepared on a thread, a static KV cache
-  with a compiled decode step) at each batch size, and at the best with each of `OPTIONS` (other attention
-  kernels); the first call of each compiles and is timed apart;
+- evaluator: `generate_completions` with `evaluate`'s defaults (length-sorted batches, the next batch prepared on a
+  thread, a static KV cache holding each key/value head per query head, a compiled decode step) at each batch size,
+  and at the best with each of `OPTIONS` (the ordinary cache, other attention kernels), with how many rows'
+  completions differ from the defaults'; the first call of each compiles and is timed apart;
 - end to end (`_end_to_end`, run by bench/gpu.py's eval_1k): `python -m evaluator` in a fresh process on all rows,
   timed from outside (imports, model load, compilation, generation).
 
@@ -37,29 +38,40 @@ from evaluator.evaluation import load_model
 from evaluator.generation import build_inputs, generate_completions
 from evaluator.protocol import GENERATION_KWARGS
 from evaluator import text_attention as folded
+from evaluator.repeated_kv_cache import use_repeated_kv_attention
 from evaluator import vision_attention as batched
 
 PLAIN_BATCH_SIZE = 64  # the brief's measured self-check setting
 REPO = Path(__file__).resolve().parents[1]
 
 
-# The evaluator's options measured at the best batch size, each against the default settings.
+# The evaluator's default settings (`evaluate`'s), and the options measured at the best batch size against them.
+DEFAULTS = {"repeated_kv_cache": True, "folded_gqa_attention": False, "batched_vision_attention": False}
 OPTIONS = {
-    "folded_gqa": {"folded_gqa_attention": True},
-    "folded_gqa_batched_vision": {"folded_gqa_attention": True, "batched_vision_attention": True},
+    # The defaults run again: how many rows' completions two runs of the same settings differ in, the floor that the
+    # options' differing rows are read against.
+    "defaults_again": {},
+    # The ordinary static cache, copied per query head at every decode step.
+    "copied_kv_cache": {"repeated_kv_cache": False},
+    "folded_gqa_batched_vision": {"repeated_kv_cache": False, "folded_gqa_attention": True,
+                                  "batched_vision_attention": True},
 }
 
 
 def measure(model_dir: Path, split_dir: Path, plain_rows: int, batch_sizes: list[int],
             record: Any = lambda figures: None, device: str = "cuda:0",
-            max_new_tokens: int = GENERATION_KWARGS["max_new_tokens"]) -> dict[str, Any]:  # fmt: skip
-    """The evaluator's examples/s (static cache, compiled decode) at each of `batch_sizes`, and at the best of them
-    with each of `OPTIONS` (and how many rows' completions differ from the default's), against plain batch-64
-    `generate` on `plain_rows` rows, all on one loaded model. `record` gets the figures so far after each
-    measurement; `best` names the fastest settings (bench/gpu.py's eval_1k runs with them)."""
+            max_new_tokens: int = GENERATION_KWARGS["max_new_tokens"],
+            options: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The evaluator's examples/s with `DEFAULTS` at each of `batch_sizes`, and at the best of them with each of
+    `options` (names in `OPTIONS`, default all; with how many rows' completions differ from the defaults'), against
+    plain batch-64 `generate` on `plain_rows` rows, all on one loaded model. `record` gets the figures so far after
+    each measurement. `defaults` are the default settings at the fastest batch size (bench/gpu.py's eval_1k runs with
+    them), `defaults_speedup` their examples/s over plain's; `best` and `speedup` the same for the fastest settings,
+    options included."""
     rows = load_split(split_dir)
     on_gpu = torch.device(device).type == "cuda"
     model, processor = load_model(model_dir, device)
+    _use_options(model, DEFAULTS)
     generate_completions(model, processor, rows.select(range(8)), batch_size=8, max_new_tokens=8)  # warm-up
     figures: dict[str, Any] = {"rows": len(rows)}
 
@@ -68,42 +80,54 @@ def measure(model_dir: Path, split_dir: Path, plain_rows: int, batch_sizes: list
     figures["plain"] = _speed(PLAIN_BATCH_SIZE, len(plain), seconds)
     record(figures)
 
-    def evaluator_speed(batch_size: int) -> tuple[dict[str, Any], list[str]]:
+    def evaluator_speed(batch_size: int, settings: dict[str, bool]) -> tuple[dict[str, Any], list[str]]:
+        kwargs = {"static_cache": on_gpu, "repeated_kv_cache": on_gpu and settings["repeated_kv_cache"]}
         first, _ = _timed(lambda: generate_completions(model, processor, rows.select(range(batch_size)), batch_size,
-                                                       max_new_tokens, static_cache=on_gpu), device)  # fmt: skip
+                                                       max_new_tokens, **kwargs), device)  # fmt: skip
         seconds, completions = _timed(lambda: generate_completions(model, processor, rows, batch_size, max_new_tokens,
-                                                                   static_cache=on_gpu), device)  # fmt: skip
+                                                                   **kwargs), device)  # fmt: skip
         return {**_speed(batch_size, len(rows), seconds), "compile_call_seconds": first,
                 "mean_completion_tokens": sum(c.n_tokens for c in completions) / len(completions)}, [
                     c.text for c in completions]  # fmt: skip
 
     texts = {}
     for batch_size in batch_sizes:
-        figures[f"evaluator_static_{batch_size}"], texts[batch_size] = evaluator_speed(batch_size)
+        figures[f"evaluator_static_{batch_size}"], texts[batch_size] = evaluator_speed(batch_size, DEFAULTS)
         record(figures)
     best_size = max(batch_sizes, key=lambda size: figures[f"evaluator_static_{size}"]["examples_per_s"])
-    settings = {f"evaluator_static_{size}": {"batch_size": size} for size in batch_sizes}
-    for name, options in OPTIONS.items():
-        _use_options(model, options)
-        speed, option_texts = evaluator_speed(best_size)
+    settings = {f"evaluator_static_{size}": {"batch_size": size, **DEFAULTS} for size in batch_sizes}
+    unknown = sorted(set(options or ()) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown option {unknown[0]!r}; known: {', '.join(OPTIONS)}")
+    for name in OPTIONS if options is None else options:
+        option_settings = {**DEFAULTS, **OPTIONS[name]}
+        _use_options(model, option_settings)
+        speed, option_texts = evaluator_speed(best_size, option_settings)
         speed["rows_with_other_completions"] = sum(a != b for a, b in zip(option_texts, texts[best_size]))
         figures[f"evaluator_static_{best_size}_{name}"] = speed
-        settings[f"evaluator_static_{best_size}_{name}"] = {"batch_size": best_size, **options}
-        _use_options(model, {})
+        settings[f"evaluator_static_{best_size}_{name}"] = {"batch_size": best_size, **option_settings}
+        _use_options(model, DEFAULTS)
         record(figures)
     del model
     if on_gpu:
         torch.cuda.empty_cache()
 
+    plain = figures["plain"]["examples_per_s"]
+    figures["defaults"] = settings[f"evaluator_static_{best_size}"]
+    figures["defaults_speedup"] = figures[f"evaluator_static_{best_size}"]["examples_per_s"] / plain
     best = max(settings, key=lambda name: figures[name]["examples_per_s"])
     figures["best"] = settings[best]
-    figures["speedup"] = figures[best]["examples_per_s"] / figures["plain"]["examples_per_s"]
+    figures["speedup"] = figures[best]["examples_per_s"] / plain
     return figures
 
 
-def _use_options(model: Any, options: dict[str, bool]) -> None:
-    batched.use_batched_vision_attention(model, options.get("batched_vision_attention", False))
-    folded.use_folded_gqa_attention(model, options.get("folded_gqa_attention", False))
+def _use_options(model: Any, settings: dict[str, bool]) -> None:
+    """The attention `settings` (all of DEFAULTS' keys) on the loaded model, as `load_model` would set them."""
+    batched.use_batched_vision_attention(model, settings["batched_vision_attention"])
+    if settings["folded_gqa_attention"]:
+        folded.use_folded_gqa_attention(model)
+    else:
+        use_repeated_kv_attention(model, settings["repeated_kv_cache"])
 
 
 def _end_to_end(model_dir: Path, split_dir: Path, inductor_cache: str, batch_size: int,
@@ -113,7 +137,7 @@ def _end_to_end(model_dir: Path, split_dir: Path, inductor_cache: str, batch_siz
         report_path = Path(scratch) / "report.json"
         command = [sys.executable, "-m", "evaluator", str(model_dir), str(split_dir), "--batch-size", str(batch_size),
                    "--out", str(report_path)]  # fmt: skip
-        command += [f"--{name.replace('_', '-')}" for name, on in options.items() if on]
+        command += [f"--{'' if on else 'no-'}{name.replace('_', '-')}" for name, on in options.items()]
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
         start = time.perf_counter()
         subprocess.run(command, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -159,10 +183,11 @@ def decode_profile(model_dir: Path, split_dir: Path, batch_size: int, new_tokens
     from torch.profiler import ProfilerActivity, profile
 
     rows = load_split(split_dir).select(range(batch_size))
-    model, processor = load_model(model_dir, "cuda:0")
+    model, processor = load_model(model_dir, "cuda:0", repeated_kv_cache=True)
 
     def generate(tokens: int) -> Any:
-        return generate_completions(model, processor, rows, batch_size, max_new_tokens=tokens, static_cache=True)
+        return generate_completions(model, processor, rows, batch_size, max_new_tokens=tokens, static_cache=True,
+                                    repeated_kv_cache=True)  # fmt: skip
 
     generate(new_tokens)
     generate(1)
@@ -202,14 +227,14 @@ def vision_attention(model_dir: Path, split_dir: Path, device: str = "cuda:0", b
     split = load_split(split_dir)
     split = split.select(range(min(rows or len(split), len(split))))
     on_gpu = torch.device(device).type == "cuda"
-    model, processor = load_model(model_dir, device, batched_vision_attention=False)
+    model, processor = load_model(model_dir, device, repeated_kv_cache=on_gpu)
     inputs = build_inputs(processor, [split[i] for i in range(min(batch_size, len(split)))]).to(device)
     pixels, grid = inputs["pixel_values"].to(model.dtype), inputs["image_grid_thw"]
     tower = model.model.visual
 
     def generate() -> list:
         return generate_completions(model, processor, split, batch_size, max_new_tokens=max_new_tokens,
-                                    static_cache=on_gpu)  # fmt: skip
+                                    static_cache=on_gpu, repeated_kv_cache=on_gpu)  # fmt: skip
 
     if on_gpu:  # compiles the static-cache decode step for these rows' cache length; both ways share it
         generate()

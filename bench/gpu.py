@@ -3,12 +3,13 @@ one results file with the headline ratios:
 
     python bench/gpu.py --sections eval,grpo,search --out bench/results/$(date +%F)-h200.json
 
-- eval (bench/eval_speed.py): the evaluator's examples/s against plain batch-64 `generate` (`eval_speedup`), on
-  --eval-speed-rows rows, at each of --eval-batch-sizes and at the best with each of eval_speed.OPTIONS, with the
-  rows whose completions differ from the default settings';
+- eval (bench/eval_speed.py): the evaluator's examples/s with its defaults against plain batch-64 `generate`
+  (`eval_speedup`), on --eval-speed-rows rows, at each of --eval-batch-sizes and at the best with each of
+  eval_speed.OPTIONS (`eval_speedup_with_options`: the fastest), with the rows whose completions differ from the
+  defaults';
 - eval_1k: 1,000 examples end to end in a fresh process (`eval_1k_seconds`, with a warm inductor cache, as in every
-  evaluation of a search after its first; the cold run that warms it is in the raw figures), with the settings eval
-  found fastest when its figures are in --out, else the defaults at --e2e-batch-size;
+  evaluation of a search after its first; the cold run that warms it is in the raw figures), with the evaluator's
+  defaults at the batch size eval found fastest when its figures are in --out, else at --e2e-batch-size;
 - decode_profile: one batch of --e2e-batch-size rows, prefill against decode steps and where the time goes;
 - grpo (bench/grpo_speed.py): completions/s of this project's trainer against TRL's defaults, full fine-tuning and
   LoRA r=64, group size 8 (`grpo_full_speedup`, `lora_vs_full`), peak memory of each;
@@ -62,10 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-speed-rows", type=int, default=512, help="rows of eval's evaluator runs")
     parser.add_argument("--plain-rows", type=int, default=128, help="rows for plain generate (it is slow)")
     parser.add_argument("--eval-batch-sizes", default="256", help="eval's evaluator batch sizes (256 was best)")
+    parser.add_argument("--eval-options", help="comma-separated, of eval_speed.OPTIONS (default: all)")
     parser.add_argument("--e2e-batch-size", type=int, default=256,
                         help="batch size of decode_profile, and of eval_1k without eval's figures")  # fmt: skip
     parser.add_argument("--decode-profile-tokens", type=int, default=256, help="new tokens of decode_profile")
-    parser.add_argument("--grpo-modes", default="full,lora")
+    parser.add_argument("--grpo-modes", default="full,lora", help="comma-separated, of grpo_speed.MODES")
+    parser.add_argument("--grpo-trl-modes", default="full,lora",
+                        help="the grpo modes also measured with TRL's defaults, of grpo_speed.TRL_MODES")  # fmt: skip
     parser.add_argument("--grpo-steps", type=int, default=16, help="steps of this project's rounds")
     parser.add_argument("--grpo-generation-steps", type=int, default=8)
     parser.add_argument("--profile-variants", default=",".join(PROFILE_VARIANTS),
@@ -109,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
 
             split = _split(args.work / f"other-{args.eval_speed_rows}", args.eval_speed_rows)
             sizes = [int(size) for size in args.eval_batch_sizes.split(",")]
-            figures = eval_speed.measure(model, split, args.plain_rows, sizes, record)
+            options = args.eval_options.split(",") if args.eval_options else None
+            figures = eval_speed.measure(model, split, args.plain_rows, sizes, record, options=options)
         elif section == "eval_1k":
-            # The settings the eval section found fastest, when its figures are in --out.
-            settings = results.get("eval", {}).get("best", {"batch_size": args.e2e_batch_size})
+            # The evaluator's defaults, at the batch size the eval section found fastest when its figures are in --out.
+            settings = results.get("eval", {}).get("defaults", {"batch_size": args.e2e_batch_size})
             figures = eval_end_to_end(model, _split(args.work / f"other-{args.eval_rows}", args.eval_rows), settings,
                                       record)  # fmt: skip
         elif section == "decode_profile":
@@ -123,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "grpo":
             from bench import grpo_speed
 
+            trl_modes = [mode for mode in args.grpo_trl_modes.split(",") if mode]
             figures = grpo_speed.measure(model, args.work / "grpo", args.grpo_modes.split(","), args.grpo_steps,
-                                         args.trl_steps, args.grpo_generation_steps, on_figure=record)  # fmt: skip
+                                         args.trl_steps, args.grpo_generation_steps, on_figure=record,
+                                         trl_modes=trl_modes)  # fmt: skip
         elif section == "profile":
             figures = grpo_profile.measure(model, args.work / "profile", variants, args.grpo_steps,
                                            args.grpo_generation_steps, on_variant=record)  # fmt: skip
@@ -161,8 +168,9 @@ def eval_end_to_end(model: Path, split: Path, settings: dict[str, Any], record: 
 
 def _headline(results: dict[str, Any]) -> dict[str, Any]:
     headline: dict[str, Any] = {}
-    if "speedup" in results.get("eval", {}):
-        headline["eval_speedup"] = results["eval"]["speedup"]
+    if "defaults_speedup" in results.get("eval", {}):
+        headline["eval_speedup"] = results["eval"]["defaults_speedup"]
+        headline["eval_speedup_with_options"] = results["eval"]["speedup"]
     if "end_to_end_warm" in results.get("eval_1k", {}):
         warm = results["eval_1k"]["end_to_end_warm"]
         headline["eval_1k_seconds"] = warm["seconds"] * 1000 / warm["n"]

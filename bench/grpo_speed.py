@@ -112,10 +112,25 @@ def ours(config: TrialConfig) -> dict:
     }
 
 
+# The trial settings of each mode; the project's options not named are the defaults the search runs with.
+MODES = {
+    "full": {"lora_rank": 0, "learning_rate": 1e-6},
+    "lora": {"lora_rank": 64, "learning_rate": 1e-5},
+    "lora_uncompiled": {"lora_rank": 64, "learning_rate": 1e-5, "compile_training": False},
+}
+# TRL's defaults take only the model and the adapter from a mode's settings.
+TRL_MODES = ("full", "lora")
+
+
 def measure(model: Path, work: Path, modes: list[str], steps: int, trl_steps: int, generation_steps: int,
-            max_completion_length: int = 256, on_figure: Callable[[dict], None] | None = None) -> dict:
-    """Each mode's TRL-defaults round, then ours; `on_figure(figures so far)` after each round, so a cut-short call
-    keeps what it measured."""
+            max_completion_length: int = 256, on_figure: Callable[[dict], None] | None = None,
+            trl_modes: list[str] | None = None) -> dict:  # fmt: skip
+    """Each mode's TRL-defaults round (for those of `modes` in `trl_modes`, default all of TRL_MODES), then ours;
+    `on_figure(figures so far)` after each round, so a cut-short call keeps what it measured."""
+    unknown = sorted(set(modes) - set(MODES)) + sorted(set(trl_modes or ()) - set(TRL_MODES))
+    if unknown:
+        raise ValueError(f"unknown mode {unknown[0]!r}; modes: {', '.join(MODES)}; TRL's: {', '.join(TRL_MODES)}")
+    trl_modes = list(TRL_MODES) if trl_modes is None else trl_modes
     train = work / "train"
     if not train.exists():
         write_split(train, "train", 64, seed=0)
@@ -128,25 +143,27 @@ def measure(model: Path, work: Path, modes: list[str], steps: int, trl_steps: in
             num_generations=8,
             prompts_per_step=1,
             max_completion_length=max_completion_length,
-            lora_rank=64 if mode == "lora" else 0,
-            learning_rate=1e-5 if mode == "lora" else 1e-6,
+            **MODES[mode],
         )
-        default = trl_defaults(TrialConfig(output_dir=str(work / f"trl-{mode}"), **base), trl_steps)
-        print(mode, "trl defaults", default, flush=True)
-        figures[mode] = {"trl_defaults": default}
-        if on_figure is not None:
-            on_figure(figures)
+        figures[mode] = {}
+        if mode in trl_modes:
+            default = trl_defaults(TrialConfig(output_dir=str(work / f"trl-{mode}"), **base), trl_steps)
+            print(mode, "trl defaults", default, flush=True)
+            figures[mode]["trl_defaults"] = default
+            if on_figure is not None:
+                on_figure(figures)
         config = TrialConfig(output_dir=str(work / f"ours-{mode}"), steps=steps, generation_steps=generation_steps,
                              **base)  # fmt: skip
         project = ours(config)
         print(mode, "ours", project, flush=True)
-        figures[mode] = {
-            "trl_defaults": default,
-            "ours": project,
-            "speedup": project["completions_per_s"] / default["completions_per_s"],
-        }
+        figures[mode]["ours"] = project
+        if "trl_defaults" in figures[mode]:
+            figures[mode]["speedup"] = project["completions_per_s"] / figures[mode]["trl_defaults"]["completions_per_s"]
         if on_figure is not None:
             on_figure(figures)
-    if "full" in figures and "lora" in figures:
-        figures["lora_vs_full"] = figures["lora"]["ours"]["completions_per_s"] / figures["full"]["ours"]["completions_per_s"]
+    speed = {mode: figures[mode]["ours"]["completions_per_s"] for mode in figures}
+    if "full" in speed and "lora" in speed:
+        figures["lora_vs_full"] = speed["lora"] / speed["full"]
+    if "lora" in speed and "lora_uncompiled" in speed:
+        figures["lora_compiled_speedup"] = speed["lora"] / speed["lora_uncompiled"]
     return figures

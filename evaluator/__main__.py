@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             batch_size=args.batch_size,
             static_cache=not args.dynamic_cache,
+            repeated_kv_cache=args.repeated_kv_cache,
             batched_vision_attention=args.batched_vision_attention,
             folded_gqa_attention=args.folded_gqa_attention,
         )
@@ -90,6 +91,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="on a GPU, decode with the dynamic KV cache instead of the static one with a compiled decode step "
         "(which compiles for about a minute in a fresh machine, inductor's disk cache shortening later runs)",
+    )
+    parser.add_argument(
+        "--repeated-kv-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with the static cache, store each key/value head once per query head so that decode steps read the "
+        "cache in place instead of copying it; attention gets the same inputs (default: on; not with "
+        "--folded-gqa-attention)",
     )
     parser.add_argument(
         "--batched-vision-attention",

@@ -21,6 +21,7 @@ from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 from evaluator.data import DataError, load_split, subset_indices, validate_solutions
 from evaluator.generation import Completion, generate_completions
 from evaluator.protocol import GENERATION_KWARGS
+from evaluator.repeated_kv_cache import use_repeated_kv_attention
 from evaluator.report import build_report
 from evaluator.text_attention import use_folded_gqa_attention
 from evaluator.vision_attention import use_batched_vision_attention
@@ -49,6 +50,7 @@ def evaluate(
     num_samples: int = 5,
     static_cache: bool = True,
     max_new_tokens: int = GENERATION_KWARGS["max_new_tokens"],
+    repeated_kv_cache: bool = True,
     batched_vision_attention: bool = False,
     folded_gqa_attention: bool = False,
 ) -> dict[str, Any]:
@@ -59,7 +61,8 @@ def evaluate(
     devices: None for every visible GPU (the CPU when there is none), else device names, one worker each; the same
     name may repeat (["cpu", "cpu"] runs two CPU workers). static_cache: see `generate_completions`; ignored on a
     CPU. `max_new_tokens` other than 256 is not the verifier's protocol: it is for quick checks, and the report
-    records it. batched_vision_attention, folded_gqa_attention: see `load_model`.
+    records it. repeated_kv_cache, batched_vision_attention, folded_gqa_attention: see `load_model`; the repeated-KV
+    cache is a static cache's, and folded attention, which reads the ordinary cache in place, needs none.
     """
     start = time.perf_counter()
     model_dir = check_model_dir(model_dir)
@@ -75,12 +78,13 @@ def evaluate(
     on_gpu = torch.device(devices[0]).type == "cuda"
     batch_size = batch_size or (DEFAULT_GPU_BATCH_SIZE if on_gpu else DEFAULT_CPU_BATCH_SIZE)
     static_cache = static_cache and on_gpu  # it compiles the decode step only on a GPU; on a CPU it only costs
+    repeated_kv_cache = repeated_kv_cache and static_cache and not folded_gqa_attention
     # Strided shards: each worker gets the same mix of prompt lengths, so they finish together.
     shards = [list(range(worker, len(rows), len(devices))) for worker in range(len(devices))]
     shards = [shard for shard in shards if shard]
     jobs = [
-        (model_dir, device, rows.select(shard), batch_size, max_new_tokens, static_cache, batched_vision_attention,
-         folded_gqa_attention, len(shards))
+        (model_dir, device, rows.select(shard), batch_size, max_new_tokens, static_cache, repeated_kv_cache,
+         batched_vision_attention, folded_gqa_attention, len(shards))
         for device, shard in zip(devices, shards)
     ]
     if len(jobs) == 1:
@@ -105,6 +109,7 @@ def evaluate(
         "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
         "static_cache": static_cache,
+        "repeated_kv_cache": repeated_kv_cache,
         "batched_vision_attention": batched_vision_attention,
         "folded_gqa_attention": folded_gqa_attention,
         "limit": limit,
@@ -130,9 +135,18 @@ def check_model_dir(path: str | Path) -> Path:
 
 
 def load_model(
-    model_dir: str | Path, device: str, batched_vision_attention: bool = False, folded_gqa_attention: bool = False
+    model_dir: str | Path,
+    device: str,
+    batched_vision_attention: bool = False,
+    folded_gqa_attention: bool = False,
+    repeated_kv_cache: bool = False,
 ) -> tuple[Any, Any]:
     """The model in eval mode on `device` (bf16 with sdpa attention on a GPU, float32 on a CPU) and its processor.
+
+    repeated_kv_cache: the language model attends over a static cache that holds each key/value head once per query
+    head (`evaluator.repeated_kv_cache`; generate with `repeated_kv_cache=True`), so decode steps do not copy the
+    cache. SDPA gets the very tensors the verifier's path builds by copying, so it runs the same kernel on the same
+    inputs.
 
     batched_vision_attention: the vision tower attends to a whole batch of images in one call
     (`evaluator.vision_attention`) instead of once per image. Off by default: the verifier runs the per-image path,
@@ -142,6 +156,8 @@ def load_model(
     (`evaluator.text_attention`) instead of over a copy of the cache per query head. Off by default for the same
     reason: another kernel, other rounding.
     """
+    if folded_gqa_attention and repeated_kv_cache:
+        raise ValueError("folded_gqa_attention reads the ordinary cache in place: it takes no repeated_kv_cache")
     on_gpu = torch.device(device).type == "cuda"
     model = Qwen2VLForConditionalGeneration.from_pretrained(
         model_dir,
@@ -153,6 +169,8 @@ def load_model(
         use_batched_vision_attention(model)
     if folded_gqa_attention:
         use_folded_gqa_attention(model)
+    if repeated_kv_cache:
+        use_repeated_kv_attention(model)
     return model.eval(), AutoProcessor.from_pretrained(model_dir)
 
 
@@ -172,6 +190,7 @@ def _run_shard(
     batch_size: int,
     max_new_tokens: int,
     static_cache: bool,
+    repeated_kv_cache: bool,
     batched_vision_attention: bool,
     folded_gqa_attention: bool,
     workers: int,
@@ -181,7 +200,6 @@ def _run_shard(
         torch.cuda.set_device(device)  # keeps this process's CUDA context off the other workers' GPUs
     elif workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))  # CPU workers share the cores
-    model, processor = load_model(model_dir, device, batched_vision_attention, folded_gqa_attention)
-    return generate_completions(
-        model, processor, rows, batch_size=batch_size, max_new_tokens=max_new_tokens, static_cache=static_cache
-    )
+    model, processor = load_model(model_dir, device, batched_vision_attention, folded_gqa_attention, repeated_kv_cache)
+    return generate_completions(model, processor, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                static_cache=static_cache, repeated_kv_cache=repeated_kv_cache)  # fmt: skip

@@ -23,6 +23,7 @@ from evaluator.data import DataError, load_split, subset_indices, validate_solut
 from evaluator.evaluation import load_model
 from evaluator.generation import Completion, build_inputs, generate_completions, tokens_until_eos
 from evaluator.protocol import EVAL_TEMPLATE, extract_answer
+from evaluator.repeated_kv_cache import use_repeated_kv_attention
 from evaluator.report import build_report
 from evaluator.text_attention import use_folded_gqa_attention
 from evaluator.vision_attention import use_batched_vision_attention
@@ -159,6 +160,27 @@ def test_folded_gqa_attention_gives_the_sdpa_answers_row_for_row(
         assert generate_completions(folded, processor, rows, 3, SHORT, static_cache=static_cache) == expected
 
 
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [("cpu", torch.float32), ("cpu", torch.bfloat16), pytest.param("cuda", torch.bfloat16, marks=GPU)],
+)
+def test_the_repeated_kv_cache_gives_the_static_caches_answers_row_for_row(
+    lively_model: Any, processor: Any, rows: list, device: str, dtype: torch.dtype
+) -> None:
+    """A static cache that stores each key/value head once per query head (evaluator.repeated_kv_cache) gives the
+    ordinary static cache's completions row for row, also in bfloat16 (compiled on a GPU), over several batches
+    that share the cache."""
+    ordinary = copy.deepcopy(lively_model).to(device=device, dtype=dtype)
+    repeated = copy.deepcopy(ordinary)
+    use_repeated_kv_attention(repeated)
+    expected = generate_completions(ordinary, processor, rows, 3, SHORT, static_cache=True)
+    assert len({completion.text for completion in expected}) > 1, "the model must answer differently to some rows"
+    assert generate_completions(repeated, processor, rows, 3, SHORT, static_cache=True,
+                                repeated_kv_cache=True) == expected  # fmt: skip
+    with pytest.raises(ValueError, match="use_repeated_kv_attention"):
+        generate_completions(ordinary, processor, rows, 3, SHORT, static_cache=True, repeated_kv_cache=True)
+
+
 def test_completion_tokens_count_up_to_the_first_end_of_sequence() -> None:
     im_end, end_of_text = 151645, 151643  # Qwen2-VL's end-of-sequence ids; end_of_text also pads finished rows
     new_tokens = torch.tensor([[5, im_end, end_of_text, end_of_text], [5, 6, 7, 8], [end_of_text, 9, 9, 9]])
@@ -210,6 +232,7 @@ def test_evaluate_reports_consistent_scores(tiny_model_dir: Path, tiny_split_dir
     assert report["examples_per_s"] == pytest.approx(8 / report["seconds"])
     assert (report["model"], report["data"], report["devices"]) == (str(tiny_model_dir), str(tiny_split_dir), ["cpu"])
     assert report["batched_vision_attention"] is False  # the default
+    assert report["static_cache"] is False and report["repeated_kv_cache"] is False  # a static cache only on a GPU
 
 
 def test_per_row_answers_name_the_rows_of_the_split(tiny_model_dir: Path, tiny_split_dir: Path) -> None:
@@ -251,9 +274,14 @@ def test_the_command_line_writes_the_report(tiny_model_dir: Path, tiny_split_dir
     assert f"accuracy {report['accuracy_pct']:.2f}%" in done.stdout
 
 
-@pytest.mark.parametrize("option", ["batched_vision_attention", "folded_gqa_attention"])
-def test_the_command_line_turns_an_attention_option_on_and_off(option: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert getattr(_parser().parse_args(["m", "d"]), option) is False
+@pytest.mark.parametrize(
+    ("option", "default"),
+    [("batched_vision_attention", False), ("folded_gqa_attention", False), ("repeated_kv_cache", True)],
+)
+def test_the_command_line_turns_an_attention_option_on_and_off(
+    option: str, default: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert getattr(_parser().parse_args(["m", "d"]), option) is default
     passed = []
     monkeypatch.setattr("evaluator.__main__.evaluate", lambda *args, **kwargs: passed.append(kwargs) or {})
     monkeypatch.setattr("evaluator.__main__.summary", lambda report: "")

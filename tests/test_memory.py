@@ -86,3 +86,20 @@ def test_profile_variants_parse_and_build_valid_configs(tmp_path):
         assert config.output_dir == str(tmp_path / name)
     assert grpo_profile.variant_config("liger_checkpoint_every_2", tmp_path, tmp_path, tmp_path, 16, 8
                                        ).gradient_checkpointing == 2  # fmt: skip
+
+
+def test_grpo_speed_modes_are_valid_trial_settings_and_unknown_ones_fail_before_any_work(tmp_path):
+    from bench import grpo_speed
+    from trainer.config import TrialConfig
+
+    for name, settings in grpo_speed.MODES.items():
+        config = TrialConfig(model_path=str(tmp_path), train_path=str(tmp_path), output_dir=str(tmp_path / name),
+                             **settings)  # fmt: skip
+        assert config.full_finetuning == (name == "full")
+    assert grpo_speed.MODES["lora_uncompiled"]["compile_training"] is False
+    assert set(grpo_speed.TRL_MODES) <= set(grpo_speed.MODES)
+    cases = ((["lora", "qlora"], None, "qlora"), (["lora"], ["lora_uncompiled"], "lora_uncompiled"))
+    for modes, trl_modes, bad in cases:
+        with pytest.raises(ValueError, match=f"unknown mode '{bad}'"):
+            grpo_speed.measure(tmp_path, tmp_path / "work", modes, 2, 2, 1, trl_modes=trl_modes)
+    assert not (tmp_path / "work").exists()

@@ -95,8 +95,8 @@ class TrialConfig:
     )
     compile_training: bool = _help(
         "Compile the policy's decoder layers for the training forward and backward (torch.compile per layer, in place, "
-        "dynamic shapes). Full fine-tuning on a GPU only; ignored with LoRA and on a CPU, where it is not measured. "
-        "The first steps of a round compile.",
+        "dynamic shapes; with LoRA, the adapted layers as peft builds them). GPU only; ignored on a CPU, where it is "
+        "not measured. The first steps of a round compile.",
         True,
     )
     compile_rollouts: bool = _help(

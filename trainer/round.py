@@ -165,9 +165,10 @@ def _build_trainer(
         use_batched_vision_attention(model)
     if liger:
         apply_liger_kernels(model)
-    if config.compile_training and on_gpu and config.lora_rank == 0:
+    if config.compile_training and on_gpu:
         # Regional compilation: the layers share their code, so one graph serves them all; compiled in place, the
-        # parameter names stay those the replica's sync and the save read.
+        # parameter names stay those the replica's sync and the save read. Compilation is lazy, so with LoRA it
+        # traces the layers as they are at the first step, with the adapters TRL puts in after this.
         for layer in model.model.language_model.layers:
             layer.compile(dynamic=True)
     checkpoint_every, peak = checkpoint_interval(config, model, layout, device)
