@@ -46,8 +46,8 @@ def generate_completions(
     time. `static_cache` compiles the decode step on a GPU: about a minute the first time in a machine (inductor
     caches it on disk for later processes), then about 3x faster per decode step than the dynamic cache.
     `repeated_kv_cache` (with `static_cache`; the model set up with `use_repeated_kv_attention`): the static cache
-    holds each key/value head once per query head (`evaluator.repeated_kv_cache`), the same answers without a copy
-    of the cache at every decode step.
+    holds each key/value head once per query head (`evaluator.repeated_kv_cache`): attention gets the same inputs
+    without a copy of the cache at every decode step.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
