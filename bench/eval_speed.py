@@ -34,11 +34,9 @@ import torch
 from transformers import AttentionInterface
 
 from evaluator.data import load_split
-from evaluator.evaluation import load_model
+from evaluator.evaluation import load_model, use_attention_options
 from evaluator.generation import build_inputs, generate_completions
 from evaluator.protocol import GENERATION_KWARGS
-from evaluator import text_attention as folded
-from evaluator.repeated_kv_cache import use_repeated_kv_attention
 from evaluator import vision_attention as batched
 
 PLAIN_BATCH_SIZE = 64  # the brief's measured self-check setting
@@ -71,7 +69,7 @@ def measure(model_dir: Path, split_dir: Path, plain_rows: int, batch_sizes: list
     rows = load_split(split_dir)
     on_gpu = torch.device(device).type == "cuda"
     model, processor = load_model(model_dir, device)
-    _use_options(model, DEFAULTS)
+    use_attention_options(model, **DEFAULTS)
     generate_completions(model, processor, rows.select(range(8)), batch_size=8, max_new_tokens=8)  # warm-up
     figures: dict[str, Any] = {"rows": len(rows)}
 
@@ -101,12 +99,12 @@ def measure(model_dir: Path, split_dir: Path, plain_rows: int, batch_sizes: list
         raise ValueError(f"unknown option {unknown[0]!r}; known: {', '.join(OPTIONS)}")
     for name in OPTIONS if options is None else options:
         option_settings = {**DEFAULTS, **OPTIONS[name]}
-        _use_options(model, option_settings)
+        use_attention_options(model, **option_settings)
         speed, option_texts = evaluator_speed(best_size, option_settings)
         speed["rows_with_other_completions"] = sum(a != b for a, b in zip(option_texts, texts[best_size]))
         figures[f"evaluator_static_{best_size}_{name}"] = speed
         settings[f"evaluator_static_{best_size}_{name}"] = {"batch_size": best_size, **option_settings}
-        _use_options(model, DEFAULTS)
+        use_attention_options(model, **DEFAULTS)
         record(figures)
     del model
     if on_gpu:
@@ -119,15 +117,6 @@ def measure(model_dir: Path, split_dir: Path, plain_rows: int, batch_sizes: list
     figures["best"] = settings[best]
     figures["speedup"] = figures[best]["examples_per_s"] / plain
     return figures
-
-
-def _use_options(model: Any, settings: dict[str, bool]) -> None:
-    """The attention `settings` (all of DEFAULTS' keys) on the loaded model, as `load_model` would set them."""
-    batched.use_batched_vision_attention(model, settings["batched_vision_attention"])
-    if settings["folded_gqa_attention"]:
-        folded.use_folded_gqa_attention(model)
-    else:
-        use_repeated_kv_attention(model, settings["repeated_kv_cache"])
 
 
 def _end_to_end(model_dir: Path, split_dir: Path, inductor_cache: str, batch_size: int,

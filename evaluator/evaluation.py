@@ -165,13 +165,19 @@ def load_model(
         attn_implementation="sdpa",
         device_map={"": device},
     )
-    if batched_vision_attention:
-        use_batched_vision_attention(model)
+    use_attention_options(model, batched_vision_attention, folded_gqa_attention, repeated_kv_cache)
+    return model.eval(), AutoProcessor.from_pretrained(model_dir)
+
+
+def use_attention_options(model: Any, batched_vision_attention: bool, folded_gqa_attention: bool,
+                          repeated_kv_cache: bool) -> None:  # fmt: skip
+    """Set `load_model`'s attention options on a loaded model, each on or off (folded attention, which reads the
+    ordinary cache, wins over the repeated-KV cache's attention)."""
+    use_batched_vision_attention(model, batched_vision_attention)
     if folded_gqa_attention:
         use_folded_gqa_attention(model)
-    if repeated_kv_cache:
-        use_repeated_kv_attention(model)
-    return model.eval(), AutoProcessor.from_pretrained(model_dir)
+    else:
+        use_repeated_kv_attention(model, repeated_kv_cache)
 
 
 def _devices(devices: list[str] | None) -> list[str]:

@@ -20,7 +20,7 @@ import torch
 from qwen_vl_utils import process_vision_info, smart_resize
 
 from evaluator.protocol import GENERATION_KWARGS, build_messages
-from evaluator.repeated_kv_cache import repeated_kv_cache, uses_repeated_kv_attention
+from evaluator.repeated_kv_cache import repeated_kv_cache
 
 # Qwen2-VL: 14-pixel patches merged 2x2, so one image token covers a 28x28 square (qwen_vl_utils' default factor).
 _PIXELS_PER_IMAGE_TOKEN = 28
@@ -54,8 +54,6 @@ def generate_completions(
     if len(rows) == 0:
         return []
     repeated = static_cache and repeated_kv_cache
-    if repeated and not uses_repeated_kv_attention(model):
-        raise ValueError("repeated_kv_cache needs the model set up with use_repeated_kv_attention(model)")
     kwargs = _generation_kwargs(max_new_tokens, static_cache and not repeated)
     cache = None
     batches = _length_sorted_batches(rows, processor, batch_size)

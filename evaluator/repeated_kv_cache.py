@@ -3,11 +3,11 @@ cache in place: `repeated_kv_cache(model, max_cache_len)` with `use_repeated_kv_
 
 transformers 5.17's sdpa path repeats each key/value head for its query heads (`repeat_kv`) whenever there is an
 attention mask, and a batched, left-padded decode over a static cache always has one: with the ordinary cache, each
-decode step copies the whole cache six times over in every layer. This cache repeats only the new tokens' keys and values, once, as they
-are written; the attention then hands SDPA the very tensor `repeat_kv` would have built (the same values, shape and
-layout), so SDPA runs the same kernel on the same inputs: the verifier's arithmetic, without the copy. The price is
-memory: the cache is `num_attention_heads / num_key_value_heads` times larger (12/2 for Qwen2-VL-2B). No library
-offers a cache that stores repeated heads.
+decode step copies the whole cache six times over in every layer. This cache repeats only the new tokens' keys and
+values, once, as they are written; the attention then hands SDPA the very tensor `repeat_kv` would have built (the
+same values, shape and layout), so SDPA runs the same kernel on the same inputs: the verifier's arithmetic, without
+the copy. The price is memory: the cache is `num_attention_heads / num_key_value_heads` times larger (12/2 for
+Qwen2-VL-2B). No library offers a cache that stores repeated heads.
 
 Where transformers' sdpa would not repeat (no mask: an unpadded prefill), the attention passes it the cache's
 original heads and sdpa takes SDPA's own `enable_gqa` path, as it would with the ordinary cache.
@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from transformers import AttentionInterface, Qwen2VLConfig
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from evaluator.text_attention import use_text_attention
 
 ATTENTION_NAME = "sdpa_repeated_kv"
 
@@ -30,12 +30,7 @@ def use_repeated_kv_attention(model: torch.nn.Module, enabled: bool = True) -> N
     """Make `model`'s language model attend with `repeated_kv_attention` (`enabled=False`: transformers' sdpa, as
     loaded). In place, on this instance only; the vision tower is not touched. With an ordinary cache, or none, the
     attention is transformers' sdpa unchanged, so a model set up this way still trains and generates as before."""
-    if not isinstance(getattr(model, "config", None), Qwen2VLConfig):
-        raise TypeError(f"{type(model).__name__} is not a Qwen2-VL model")
-    AttentionInterface.register(ATTENTION_NAME, repeated_kv_attention)
-    # The language model builds sdpa's masks for it: without a registered mask function it would build none.
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-    model.set_attn_implementation({"text_config": ATTENTION_NAME if enabled else "sdpa"})
+    use_text_attention(model, ATTENTION_NAME, repeated_kv_attention, enabled)
 
 
 def uses_repeated_kv_attention(model: torch.nn.Module) -> bool:

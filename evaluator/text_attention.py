@@ -27,12 +27,18 @@ ATTENTION_NAME = "sdpa_folded_gqa"
 def use_folded_gqa_attention(model: torch.nn.Module, enabled: bool = True) -> None:
     """Make `model`'s language model use `folded_gqa_attention` (`enabled=False`: transformers' sdpa, as loaded). In
     place, on this instance only; the vision tower is not touched."""
+    use_text_attention(model, ATTENTION_NAME, folded_gqa_attention, enabled)
+
+
+def use_text_attention(model: torch.nn.Module, name: str, function: Any, enabled: bool) -> None:
+    """Register `function` as the attention `name`, with sdpa's masks, and make `model`'s language model use it
+    (`enabled=False`: transformers' sdpa). In place, on this instance only."""
     if not isinstance(getattr(model, "config", None), Qwen2VLConfig):
         raise TypeError(f"{type(model).__name__} is not a Qwen2-VL model")
-    AttentionInterface.register(ATTENTION_NAME, folded_gqa_attention)
+    AttentionInterface.register(name, function)
     # The language model builds sdpa's masks for it: without a registered mask function it would build none.
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-    model.set_attn_implementation({"text_config": ATTENTION_NAME if enabled else "sdpa"})
+    AttentionMaskInterface.register(name, sdpa_mask)
+    model.set_attn_implementation({"text_config": name if enabled else "sdpa"})
 
 
 def folded_gqa_attention(
