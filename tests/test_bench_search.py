@@ -41,4 +41,5 @@ def test_the_bench_budget_is_a_valid_search_without_compiling(tmp_path):
     settings = load_settings(gpu._bench_budget(model, box, tmp_path / "work", minutes=7.5))
     assert settings.hours == pytest.approx(7.5 / 60)
     assert settings.fixed["compile_rollouts"] is False and settings.fixed["compile_training"] is False
+    assert settings.eval_static_cache is False and settings.val_rows == 0 and settings.prune_every == 0
     assert settings.ood_val_path == str(box / "ood_val")
