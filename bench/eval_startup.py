@@ -4,12 +4,11 @@ generation, what dynamo spent compiling, and optionally one batch's prefill take
     python bench/eval_startup.py MODEL_DIR SPLIT_DIR [--batch-size 256] [--prefill] > startup.json
 
 Run it in a fresh process, twice with one TORCHINDUCTOR_CACHE_DIR for the warm figures, and time the whole process
-from outside to get the exit's share. Warm it with its own first run: inductor does not find the graphs that
-`python -m evaluator` compiled for this script (measured on an H200: it compiles again after warm evaluator runs),
-while the evaluator finds its own whatever the model folder and working directory. The batches' preparation runs on the evaluator's own
-thread while the previous batch generates: a `prepare` that lasts longer than the `generate` beside it means the GPU
-waited for the CPU. The seconds are wall-clock marks from the start of the interpreter (`marks`) and per call
-(`events`: [what, start, seconds]).
+from outside to get the exit's share. Warm it with its own first run: inductor does not reuse for this script the
+graphs `python -m evaluator` compiled (bench/results/2026-12-04-h200.json, call14). The batches' preparation runs
+on the evaluator's own thread while the previous batch generates: a `prepare` that lasts longer than the `generate`
+beside it means the GPU waited for the CPU. The seconds are wall-clock marks from the start of the interpreter
+(`marks`) and per call (`events`: [what, start, seconds]).
 """
 
 from __future__ import annotations
@@ -104,6 +103,7 @@ def _prefill(torch: Any, model: Any, processor: Any, split_dir: Path, batch_size
     two after a warm-up; with the profiler's top operators of the prefill (CPU time shows the host's syncs)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.eval_speed import _timed
     from evaluator.data import load_split
 
     rows = load_split(split_dir)
@@ -112,18 +112,12 @@ def _prefill(torch: Any, model: Any, processor: Any, split_dir: Path, batch_size
     inputs = prepare(processor, rows, indices, None)
     figures: dict[str, Any] = {"prepare_seconds": time.perf_counter() - began}
     inputs = inputs.to(model.device)
-    figures["prompt_tokens"], figures["patches"] = int(inputs["input_ids"].shape[1]), int(inputs["pixel_values"].shape[0])
+    figures["prompt_tokens"] = int(inputs["input_ids"].shape[1])
+    figures["patches"] = int(inputs["pixel_values"].shape[0])
 
     def best(work: Any) -> float:
-        work()
-        seconds = []
-        for _ in range(2):
-            _sync(torch)
-            began = time.perf_counter()
-            work()
-            _sync(torch)
-            seconds.append(time.perf_counter() - began)
-        return min(seconds)
+        work()  # warm-up
+        return min(_timed(work, str(model.device))[0] for _ in range(2))
 
     def one_token() -> Any:
         return model.generate(**inputs, do_sample=False, max_new_tokens=1)

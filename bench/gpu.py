@@ -280,8 +280,8 @@ def _bench_budget(model: Path, box: Path, work: Path, minutes: float) -> Path:
         storage=str(work / "study.db"),
         # What this section measures is outside training and evaluation, so both are made short: one evaluation
         # process per round (no val health check, no in-round pruning evaluations) on the dynamic cache, and
-        # nothing compiled. Compiling costs a fresh machine about a minute per evaluation shape and per round: with
-        # round 0 and the reserve, more than one device call leaves for a trained round.
+        # nothing compiled. Compiling costs a fresh machine about a minute per evaluation shape and per round, more
+        # than round 0 and the reserve leave of one device call.
         prune_rows=32,
         prune_every=0,
         val_rows=0,
