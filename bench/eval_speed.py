@@ -9,7 +9,8 @@ token happens to come, the worst case) and a synthetic split of 480x320 images, 
   and at the best with each of `OPTIONS` (the ordinary cache, other attention kernels), with how many rows'
   completions differ from the defaults'; the first call of each compiles and is timed apart;
 - end to end (`_end_to_end`, run by bench/gpu.py's eval_1k): `python -m evaluator` in a fresh process on all rows,
-  timed from outside (imports, model load, compilation, generation).
+  timed from outside (imports, model load, compilation, generation, exit), with the defaults or one of
+  `END_TO_END_VARIANTS`.
 
 `decode_profile` splits one batch's generation into prefill and decode steps and lists the top GPU operators.
 
@@ -53,6 +54,13 @@ OPTIONS = {
     "copied_kv_cache": {"repeated_kv_cache": False},
     "folded_gqa_batched_vision": {"repeated_kv_cache": False, "folded_gqa_attention": True,
                                   "batched_vision_attention": True},
+}
+# What else a fresh evaluator process can be run with, measured end to end beside the defaults (`_end_to_end`).
+END_TO_END_VARIANTS: dict[str, dict[str, Any]] = {
+    # inductor's compile workers started when a kernel must be compiled, not at the first compile call.
+    "compile_pool_on_demand": {"environment": {"TORCH_WARM_POOL": "0"}},
+    # Nothing compiled: the dynamic cache.
+    "dynamic_cache": {"arguments": ["--dynamic-cache"]},
 }
 
 
@@ -119,21 +127,33 @@ def measure(model_dir: Path, split_dir: Path, plain_rows: int, batch_sizes: list
     return figures
 
 
-def _end_to_end(model_dir: Path, split_dir: Path, inductor_cache: str, batch_size: int,
+def _end_to_end(model_dir: Path, split_dir: Path, inductor_cache: str, batch_size: int, variant: str | None = None,
                 **options: bool) -> dict[str, Any]:  # fmt: skip
-    """`python -m evaluator` on every row of the split in a fresh process, with `options` (`evaluate`'s flags)."""
+    """`python -m evaluator` on every row of the split in a fresh process, with `options` (`evaluate`'s flags) and
+    the arguments and environment of `END_TO_END_VARIANTS[variant]`. `exit_seconds`: from the report's appearance on
+    disk to the process's end."""
+    changes = END_TO_END_VARIANTS[variant] if variant else {}
     with tempfile.TemporaryDirectory() as scratch:
         report_path = Path(scratch) / "report.json"
         command = [sys.executable, "-m", "evaluator", str(model_dir), str(split_dir), "--batch-size", str(batch_size),
-                   "--out", str(report_path)]  # fmt: skip
+                   "--out", str(report_path), *changes.get("arguments", ())]  # fmt: skip
         command += [f"--{'' if on else 'no-'}{name.replace('_', '-')}" for name, on in options.items()]
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_cache, **changes.get("environment", {})}
         start = time.perf_counter()
-        subprocess.run(command, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
-        seconds = time.perf_counter() - start
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+        written = None
+        while process.poll() is None:
+            if written is None and report_path.exists():  # written whole under a temporary name, then renamed
+                written = time.perf_counter()
+            time.sleep(0.02)
+        ended = time.perf_counter()
+        if process.returncode != 0:
+            raise subprocess.CalledProcessError(process.returncode, command)
         report = json.loads(report_path.read_text())
+    seconds = ended - start
     return {"n": report["n"], "seconds": seconds, "examples_per_s": report["n"] / seconds,
-            "static_cache": report["static_cache"], "inside_seconds": report["seconds"], **options}  # fmt: skip
+            "static_cache": report["static_cache"], "inside_seconds": report["seconds"],
+            "exit_seconds": ended - written if written else None, "variant": variant, **options}  # fmt: skip
 
 
 def _plain(model: Any, processor: Any, rows: list[dict[str, Any]],

@@ -9,7 +9,8 @@ one results file with the headline ratios:
   defaults';
 - eval_1k: 1,000 examples end to end in a fresh process (`eval_1k_seconds`, with a warm inductor cache, as in every
   evaluation of a search after its first; the cold run that warms it is in the raw figures), with the evaluator's
-  defaults at the batch size eval found fastest when its figures are in --out, else at --e2e-batch-size;
+  defaults at the batch size eval found fastest when its figures are in --out, else at --e2e-batch-size; then warm
+  with each of --eval-1k-variants (eval_speed.END_TO_END_VARIANTS: another compile pool or cache);
 - decode_profile: one batch of --e2e-batch-size rows, prefill against decode steps and where the time goes;
 - grpo (bench/grpo_speed.py): completions/s of this project's trainer against TRL's defaults, full fine-tuning and
   LoRA r=64, group size 8 (`grpo_full_speedup`, `lora_vs_full`), peak memory of each;
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-steps", type=int, default=4, help="steps of the TRL-defaults rounds")
     parser.add_argument("--vision-batch-size", type=int, default=256)
     parser.add_argument("--vision-rows", type=int, default=512, help="rows the evaluator scores each way")
+    parser.add_argument("--eval-1k-variants", default="",
+                        help="comma-separated, of eval_speed.END_TO_END_VARIANTS: also run warm with each")  # fmt: skip
     parser.add_argument("--search-minutes", type=float, default=7.0)
     args = parser.parse_args(argv)
     sections = args.sections.split(",")
@@ -92,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
             variants = grpo_profile.parse_variants(args.profile_variants)
         except ValueError as exc:
             parser.error(str(exc))
+    eval_1k_variants = [name for name in args.eval_1k_variants.split(",") if name]
+    if "eval_1k" in sections:
+        from bench.eval_speed import END_TO_END_VARIANTS
+
+        unknown = sorted(set(eval_1k_variants) - set(END_TO_END_VARIANTS))
+        if unknown:
+            parser.error(f"unknown eval_1k variant {unknown[0]!r}; known: {', '.join(END_TO_END_VARIANTS)}")
     if not torch.cuda.is_available():
         parser.error("needs a GPU")
 
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             # The evaluator's defaults, at the batch size the eval section found fastest when its figures are in --out.
             settings = results.get("eval", {}).get("defaults", {"batch_size": args.e2e_batch_size})
             figures = eval_end_to_end(model, _split(args.work / f"other-{args.eval_rows}", args.eval_rows), settings,
-                                      record)  # fmt: skip
+                                      record, eval_1k_variants)  # fmt: skip
         elif section == "decode_profile":
             from bench import eval_speed
 
@@ -152,17 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def eval_end_to_end(model: Path, split: Path, settings: dict[str, Any], record: Any) -> dict[str, Any]:
+def eval_end_to_end(model: Path, split: Path, settings: dict[str, Any], record: Any,
+                    variants: list[str] = ()) -> dict[str, Any]:  # fmt: skip
     """`python -m evaluator` on every row of `split` with `settings` (a batch size and `evaluate`'s flags) in a
-    fresh process, with an empty inductor cache and then with the cache that run left; recorded after each."""
+    fresh process, with an empty inductor cache and then with the cache that run left, then warm with each of
+    `variants` (eval_speed.END_TO_END_VARIANTS); recorded after each."""
     import tempfile
 
     from bench import eval_speed
 
     figures: dict[str, Any] = {"rows": None, "settings": settings}
+    runs = [("end_to_end_cold", None), ("end_to_end_warm", None)]
+    runs += [(f"end_to_end_warm_{variant}", variant) for variant in variants]
     with tempfile.TemporaryDirectory() as inductor_cache:
-        for name in ("end_to_end_cold", "end_to_end_warm"):
-            figures[name] = eval_speed._end_to_end(model, split, inductor_cache, **settings)
+        for name, variant in runs:
+            figures[name] = eval_speed._end_to_end(model, split, inductor_cache, variant=variant, **settings)
             figures["rows"] = figures[name]["n"]
             record(figures)
     return figures
@@ -221,6 +235,7 @@ def search_overhead(model: Path, work: Path, minutes: float) -> dict[str, Any]:
             "duration_s": attrs.get("duration_s"),
             "timings": timings,
             "promotion_s": attrs.get("promotion_s", 0.0),
+            "promotion_timings": attrs.get("promotion_timings", {}),
             "ood_accuracy": trial.value,
         })  # fmt: skip
     figures: dict[str, Any] = {
@@ -237,7 +252,8 @@ def search_overhead(model: Path, work: Path, minutes: float) -> dict[str, Any]:
 
 def overhead_figures(rounds: list[dict[str, Any]]) -> dict[str, float]:
     """What rounds (`search_overhead`'s records) spent outside training and evaluation: launch to first step
-    (imports, loading; compiling is in training), merge and save, promotion (copy, flush, the verifier's check).
+    (imports, loading; compiling is in training), merge and save, promotion (copy, flush, the verifier's check; each
+    part's mean in `promotion_parts`).
     Only rounds that ran every part count. The bench's random weights never beat the base model, so its trained
     rounds are not promoted: a promotion's seconds come from the rounds that were, round 0 (which trains nothing)
     among them, and `overhead_fraction` is a promoted round's, the worst case."""
@@ -245,6 +261,9 @@ def overhead_figures(rounds: list[dict[str, Any]]) -> dict[str, float]:
     promotions = [r["promotion_s"] for r in rounds if r["promotion_s"]]
     if promotions:
         figures["promotion_seconds"] = sum(promotions) / len(promotions)
+    parts = [r["promotion_timings"] for r in rounds if r.get("promotion_timings", {}).keys() >= {"copy", "check"}]
+    if parts:  # the mean of each part over the promotions that ran whole
+        figures["promotion_parts"] = {part: sum(p[part] for p in parts) / len(parts) for part in parts[0]}
     whole = [r for r in rounds if all(key in r["timings"] for key in ("setup", "train", "save", "eval"))]
     if not whole:
         return figures

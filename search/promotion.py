@@ -53,13 +53,15 @@ def promote(
     details: dict | None = None,
     check: Callable[[Path], None] | None = None,
     copy_tree: Callable[[str, str], Any] = shutil.copytree,
+    timings: dict[str, float] | None = None,
 ) -> bool:
     """Make `merged_dir` the submission if it clears the format floor and beats the promoted model's accuracy.
 
     Returns True when the submission now holds it, False when it was refused (format rate below the floor, or not
     strictly better than PROMOTED.json's accuracy). Raises PromotionError when it fails its check; the previous
     submission is then untouched. `details` join PROMOTED.json (`check_rows`: the answers `final_check` expects).
-    `check` defaults to `check_submission` (loading only); `copy_tree` is the copy (tests break it).
+    `check` defaults to `check_submission` (loading only); `copy_tree` is the copy (tests break it). `timings`, when
+    given, gets the seconds of each part that ran: "copy", "flush" (to disk), "check".
     """
     if format_rate is None or format_rate < min_format_rate:
         _LOG.info("not promoting %s: format rate %s is below the floor %s", merged_dir, format_rate, min_format_rate)
@@ -76,13 +78,17 @@ def promote(
         in_place = os.path.ismount(submission)  # a mount point cannot be renamed: stage inside it instead
         staging = (submission if in_place else submission.parent) / f".{submission.name}.incoming"
         _remove(staging)
+        timings = {} if timings is None else timings
         try:
-            copy_tree(str(merged_dir), str(staging))
-            marker = {"trial": trial, "accuracy": accuracy, "format_rate": format_rate, "time": time.time(),
-                      "source": str(Path(merged_dir).resolve()), **(details or {})}  # fmt: skip
-            (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-            _fsync_tree(staging, readable=True)
-            check(staging)
+            with _timed(timings, "copy"):
+                copy_tree(str(merged_dir), str(staging))
+                marker = {"trial": trial, "accuracy": accuracy, "format_rate": format_rate, "time": time.time(),
+                          "source": str(Path(merged_dir).resolve()), **(details or {})}  # fmt: skip
+                (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            with _timed(timings, "flush"):
+                _fsync_tree(staging, readable=True)
+            with _timed(timings, "check"):
+                check(staging)
         except BaseException:
             _remove(staging)
             raise
@@ -92,6 +98,15 @@ def promote(
             _swap_in(staging, submission)
         _LOG.info("promoted trial %s (%.2f%%) into %s", trial, accuracy, submission)
         return True
+
+
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], part: str) -> Iterator[None]:
+    began = time.monotonic()
+    try:
+        yield
+    finally:
+        timings[part] = round(time.monotonic() - began, 1)
 
 
 def promoted(submission_dir: str | os.PathLike) -> dict | None:

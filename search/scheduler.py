@@ -501,16 +501,22 @@ class Scheduler:
                                        batch_size=s.eval_batch_size)  # fmt: skip
 
         base = trial.user_attrs.get("recipe") == space.BASE
-        return promotion.promote(
-            outcome.merged_dir,
-            s.submission_path,
-            min_format_rate=0.0 if base else s.min_format_rate,
-            format_rate=outcome.format_rate,
-            accuracy=outcome.ood_accuracy,
-            trial=trial.number,
-            details={"recipe": trial.user_attrs.get("recipe"), "check_rows": expected},
-            check=check,
-        )
+        timings: dict[str, float] = {}
+        try:
+            return promotion.promote(
+                outcome.merged_dir,
+                s.submission_path,
+                min_format_rate=0.0 if base else s.min_format_rate,
+                format_rate=outcome.format_rate,
+                accuracy=outcome.ood_accuracy,
+                trial=trial.number,
+                details={"recipe": trial.user_attrs.get("recipe"), "check_rows": expected},
+                check=check,
+                timings=timings,
+            )
+        finally:
+            if timings:  # where promotion_s went (nothing ran for a refused model)
+                trial.set_user_attr("promotion_timings", timings)
 
     def _check_submission(self, gpus: list[int]) -> tuple[bool, str]:
         from search.promotion import final_check

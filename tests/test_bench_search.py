@@ -10,16 +10,17 @@ from synthetic.models import build_model
 from synthetic.splits import write_box
 
 
-def _round(number, *, timings, promotion_s=0.0, duration_s=None):
+def _round(number, *, timings, promotion_s=0.0, duration_s=None, promotion_timings=None):
     return {"number": number, "state": "completed", "steps_done": 10, "duration_s": duration_s, "timings": timings,
-            "promotion_s": promotion_s, "ood_accuracy": 0.0}  # fmt: skip
+            "promotion_s": promotion_s, "promotion_timings": promotion_timings or {}, "ood_accuracy": 0.0}  # fmt: skip
 
 
 def test_overhead_counts_a_promotion_for_the_trained_rounds_that_were_not_promoted():
-    base = _round(0, timings={"eval": 60.0}, promotion_s=40.0, duration_s=60.0)
+    parts = {"copy": 5.0, "flush": 3.0, "check": 32.0}
+    base = _round(0, timings={"eval": 60.0}, promotion_s=40.0, duration_s=60.0, promotion_timings=parts)
     trained = _round(1, timings={"setup": 20.0, "train": 100.0, "save": 6.0, "eval": 60.0}, duration_s=186.0)
     figures = gpu.overhead_figures([base, trained])
-    assert figures["promotion_seconds"] == 40.0
+    assert figures["promotion_seconds"] == 40.0 and figures["promotion_parts"] == parts
     assert figures["overhead_seconds_per_round"] == 26.0  # as run: round 1 was not promoted
     assert figures["overhead_fraction_as_run"] == pytest.approx(26.0 / 1800)
     assert figures["overhead_share_of_these_rounds"] == pytest.approx(26.0 / 186.0)

@@ -62,6 +62,17 @@ def test_first_promotion_writes_model_and_marker(tmp_path):
     assert merged.is_dir()  # copied, not moved: the round folder stays whole
 
 
+def test_a_promotion_times_its_copy_flush_and_check(tmp_path):
+    merged, submission = _model(tmp_path / "a", "a"), tmp_path / "submission"
+    timings = {}
+    assert _promote(merged, submission, 70.0, check=lambda path: time.sleep(0.3), timings=timings)
+    assert set(timings) == {"copy", "flush", "check"} and timings["check"] >= 0.3
+    assert all(0 <= seconds < 0.3 for part, seconds in timings.items() if part != "check")
+    refused = {}
+    assert not _promote(merged, submission, 60.0, timings=refused)  # not better: nothing was copied or checked
+    assert refused == {}
+
+
 def test_the_submission_is_readable_by_every_user(tmp_path):
     merged = _model(tmp_path / "a", "a")
     (merged / "model.safetensors").chmod(0o600)  # as safetensors writes it
