@@ -1,9 +1,9 @@
 """Promotion: the best merged model into the submission folder, whole or not at all; and the runs folder kept small.
 
 The submission must be loadable at every instant the box may be stopped. So a new model is copied next to the
-submission (same filesystem), flushed to disk, checked as the verifier will use it (search.verification: loaded with
-the verifier's calls, and answering the recorded ood_val rows as it did when scored), and only then swapped in with
-one atomic directory exchange; the previous submission stays whole until then, and is kept aside afterwards
+submission (same filesystem; a round's own files are hard-linked instead where they can be, `link_tree`), flushed
+to disk, checked as the verifier will use it (search.verification: loaded with the verifier's calls, and answering
+the recorded ood_val rows as it did when scored), and only then swapped in with one atomic directory exchange; the previous submission stays whole until then, and is kept aside afterwards
 (`.<name>.previous`), so that the final check in the reserve (`final_check`) can restore it when the submission no
 longer passes. `PROMOTED.json` inside the submission records which trial it holds, its accuracy and the answers it
 must give: it moves with the model in the same exchange, and only a strictly better model replaces it. A lock on the
@@ -107,6 +107,25 @@ def _timed(timings: dict[str, float], part: str) -> Iterator[None]:
         yield
     finally:
         timings[part] = round(time.monotonic() - began, 1)
+
+
+def link_tree(source: str, destination: str) -> None:
+    """A `copy_tree` for a round's own merged folder: each file hard-linked where the filesystem allows it (the same
+    bytes without writing a 4.4 GB copy and flushing it again), copied where it does not (another filesystem, a file
+    this user does not own). Nothing writes into a round's merged files once they are saved, and pruning a round
+    unlinks its names only, so the submission may share them. Not for the base model's folder: whoever re-saves the
+    submission in place would write through to it."""
+    shutil.copytree(source, destination, copy_function=_link_or_copy)
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    if os.stat(source).st_uid == os.geteuid():  # the kernel's protected_hardlinks refuses others' files anyway
+        try:
+            os.link(source, destination)
+            return
+        except OSError:  # another filesystem, or one without hard links
+            pass
+    shutil.copy2(source, destination)
 
 
 def promoted(submission_dir: str | os.PathLike) -> dict | None:

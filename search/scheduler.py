@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -44,6 +45,7 @@ from search import selection, space
 from search.backend import TIMING_KEYS, Backend, RoundHandle, RoundOutcome
 from search.clock import Clock
 from search.duration import DurationModel
+from search.folders import inside
 from search.heartbeat import HEARTBEAT_ATTR, Heartbeat
 from search.log import say, warn
 from search.study import FINAL_CHECK_ATTR
@@ -501,6 +503,8 @@ class Scheduler:
                                        batch_size=s.eval_batch_size)  # fmt: skip
 
         base = trial.user_attrs.get("recipe") == space.BASE
+        # A trained round's merged folder is this search's own: linked. The base model's folder is the user's: copied.
+        own = outcome.merged_dir is not None and inside(outcome.merged_dir, s.rounds_dir)
         timings: dict[str, float] = {}
         try:
             return promotion.promote(
@@ -512,6 +516,7 @@ class Scheduler:
                 trial=trial.number,
                 details={"recipe": trial.user_attrs.get("recipe"), "check_rows": expected},
                 check=check,
+                copy_tree=promotion.link_tree if own else shutil.copytree,
                 timings=timings,
             )
         finally:

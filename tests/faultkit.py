@@ -141,16 +141,20 @@ def _search(argv: list[str]) -> int:
         import shutil
 
         fail_at, copies = int(os.environ["STUB_ENOSPC_COPY"]), []
+        real_promote = promotion.promote
 
-        def copy_tree(source: str, target: str):
-            copies.append(source)
-            if len(copies) == fail_at:
-                os.makedirs(target)
-                shutil.copy(Path(source) / "config.json", target)
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return shutil.copytree(source, target)
+        def promote(*args, copy_tree=shutil.copytree, **kwargs):  # whichever copy the scheduler chose, failing once
+            def failing_once(source: str, target: str):
+                copies.append(source)
+                if len(copies) == fail_at:
+                    os.makedirs(target)
+                    shutil.copy(Path(source) / "config.json", target)
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return copy_tree(source, target)
 
-        promotion.promote.__kwdefaults__["copy_tree"] = copy_tree
+            return real_promote(*args, copy_tree=failing_once, **kwargs)
+
+        promotion.promote = promote  # looked up at call time
     log = os.environ.get("PROMOTION_LOG")
     if log:
         original_swap, original_replace = promotion._swap_in, promotion._replace_contents

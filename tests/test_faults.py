@@ -182,6 +182,9 @@ def test_rounds_that_raise_oom_nan_get_killed_or_hang_are_ended_and_recorded(tmp
     assert marker["accuracy"] == max(t.value for t in completed)
     swaps = [e["accuracy"] for e in read_jsonl(tmp_path / "promotions.jsonl")]
     assert swaps == sorted(set(swaps)) and len(swaps) >= 2  # each promotion strictly better than the last
+    # A trained round's files are linked into the submission, not copied.
+    assert marker["recipe"] != "base" and (tmp_path / "runs") in Path(marker["source"]).parents
+    assert os.path.samefile(tmp_path / "app" / "submission" / "config.json", Path(marker["source"]) / "config.json")
     assert no_round_process_survives(tmp_path / "runs") >= 9
 
 
@@ -203,6 +206,9 @@ def test_when_every_round_fails_the_base_is_the_checked_submission(tmp_path, tin
     assert len(rounds) >= 5 and all(t.state == TrialState.FAIL for t in rounds)
     marker = submission_is_whole(tmp_path / "app" / "submission")
     assert (marker["trial"], marker["recipe"], marker["accuracy"]) == (0, "base", base.value)
+    # The base model's folder is the user's: copied, so that re-saving the submission cannot write through to it.
+    assert not os.path.samefile(tmp_path / "app" / "submission" / "config.json",
+                                Path(marker["source"]) / "config.json")  # fmt: skip
     lines = result.stdout.splitlines()
     assert f"submission: {tmp_path / 'app' / 'submission'} holds trial 0 (base, {base.value:.1f}% on ood_val)" in lines
     assert any("final check passed: the submission (trial 0)" in line for line in lines)

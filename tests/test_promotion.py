@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import threading
 import time
@@ -18,6 +20,7 @@ from search.promotion import (
     PromotionError,
     check_submission,
     final_check,
+    link_tree,
     promote,
     promoted,
     prune_run_dirs,
@@ -71,6 +74,33 @@ def test_a_promotion_times_its_copy_flush_and_check(tmp_path):
     refused = {}
     assert not _promote(merged, submission, 60.0, timings=refused)  # not better: nothing was copied or checked
     assert refused == {}
+
+
+def test_a_rounds_own_files_are_linked_into_the_submission_and_outlive_its_pruning(tmp_path):
+    merged, submission = _model(tmp_path / "runs" / "round-0001" / "merged", "a"), tmp_path / "submission"
+    (merged / "model.safetensors").chmod(0o600)  # as safetensors writes it
+    assert _promote(merged, submission, 70.0, copy_tree=link_tree)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert os.path.samefile(submission / name, merged / name)  # one file, two names: nothing was copied
+    assert (submission / "model.safetensors").stat().st_mode & 0o444 == 0o444
+    shutil.rmtree(merged)  # the round pruned
+    assert _tag(submission) == "a" and (submission / "model.safetensors").read_text() == "a" * 1000
+
+
+@pytest.mark.parametrize("why", ["another filesystem", "another user's file"])
+def test_files_that_cannot_be_linked_are_copied(tmp_path, monkeypatch, why):
+    merged, target = _model(tmp_path / "merged", "a"), tmp_path / "linked"
+    if why == "another filesystem":
+        def cross_device(source, destination):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+        monkeypatch.setattr(promotion.os, "link", cross_device)
+    else:
+        monkeypatch.setattr(promotion.os, "geteuid", lambda: os.stat(merged / "config.json").st_uid + 1)
+    link_tree(str(merged), str(target))
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert not os.path.samefile(target / name, merged / name)
+        assert (target / name).read_bytes() == (merged / name).read_bytes()
 
 
 def test_the_submission_is_readable_by_every_user(tmp_path):
