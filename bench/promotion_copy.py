@@ -1,7 +1,7 @@
 """What a promotion's copy and flush cost for a model-sized folder, copied against hard-linked (`promotion.link_tree`),
 on this machine's disk; the check is left out (bench/verify_cost.py measures it).
 
-    python bench/promotion_copy.py --work built/promotion-copy --gb 4.4 --out bench/results/<date>-<machine>-promotion-copy.json
+    python bench/promotion_copy.py --gb 4.4 --out bench/results/<date>-<machine>-promotion-copy.json
 
 The folder holds random bytes in two shards, like the 2B model's safetensors, written and synced before each
 promotion, so the flush measures the promoted files alone.

@@ -3,11 +3,12 @@
 The submission must be loadable at every instant the box may be stopped. So a new model is copied next to the
 submission (same filesystem; a round's own files are hard-linked instead where they can be, `link_tree`), flushed
 to disk, checked as the verifier will use it (search.verification: loaded with the verifier's calls, and answering
-the recorded ood_val rows as it did when scored), and only then swapped in with one atomic directory exchange; the previous submission stays whole until then, and is kept aside afterwards
-(`.<name>.previous`), so that the final check in the reserve (`final_check`) can restore it when the submission no
-longer passes. `PROMOTED.json` inside the submission records which trial it holds, its accuracy and the answers it
-must give: it moves with the model in the same exchange, and only a strictly better model replaces it. A lock on the
-submission's parent serializes workers that share one study.
+the recorded ood_val rows as it did when scored), and only then swapped in with one atomic directory exchange; the
+previous submission stays whole until then, and is kept aside afterwards (`.<name>.previous`), so that the final
+check in the reserve (`final_check`) can restore it when the submission no longer passes. `PROMOTED.json` inside the
+submission records which trial it holds, its accuracy and the answers it must give: it moves with the model in the
+same exchange, and only a strictly better model replaces it. A lock on the submission's parent serializes workers
+that share one study.
 """
 
 from __future__ import annotations
