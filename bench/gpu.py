@@ -52,6 +52,7 @@ import yaml  # noqa: E402
 
 SECTIONS = ("eval", "eval_1k", "decode_profile", "grpo", "profile", "vision", "search")
 ROUND_SECONDS = 30 * 60  # the reference round
+PROMOTION_PARTS = ("copy", "flush", "check")  # search.promotion.promote's timings, in order
 # The profile's default variants: ~40-60 s each on an H200 after the first (which compiles the rollout), so these and
 # building the model fit one 10-minute call.
 PROFILE_VARIANTS = ("as_run", "checkpoint_all", "liger", "no_checkpointing", "liger_no_checkpointing")
@@ -261,9 +262,9 @@ def overhead_figures(rounds: list[dict[str, Any]]) -> dict[str, float]:
     promotions = [r["promotion_s"] for r in rounds if r["promotion_s"]]
     if promotions:
         figures["promotion_seconds"] = sum(promotions) / len(promotions)
-    parts = [r["promotion_timings"] for r in rounds if r.get("promotion_timings", {}).keys() >= {"copy", "check"}]
-    if parts:  # the mean of each part over the promotions that ran whole
-        figures["promotion_parts"] = {part: sum(p[part] for p in parts) / len(parts) for part in parts[0]}
+    parts = [r["promotion_timings"] for r in rounds if "check" in r["promotion_timings"]]
+    if parts:  # the mean of each part over the promotions that ran whole (the check is the last part)
+        figures["promotion_parts"] = {part: sum(p[part] for p in parts) / len(parts) for part in PROMOTION_PARTS}
     whole = [r for r in rounds if all(key in r["timings"] for key in ("setup", "train", "save", "eval"))]
     if not whole:
         return figures
@@ -299,8 +300,7 @@ def _bench_budget(model: Path, box: Path, work: Path, minutes: float) -> Path:
         storage=str(work / "study.db"),
         # What this section measures is outside training and evaluation, so both are made short: one evaluation
         # process per round (no val health check, no in-round pruning evaluations) on the dynamic cache, and
-        # nothing compiled. Compiling costs a fresh machine about a minute per evaluation shape and per round, more
-        # than round 0 and the reserve leave of one device call.
+        # nothing compiled, whose cold start in a fresh machine would leave one device call no time for a trained round.
         prune_rows=32,
         prune_every=0,
         val_rows=0,

@@ -47,8 +47,9 @@ def measure(work: Path, gb: float) -> dict:
     merged.mkdir(parents=True)
     (merged / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
     chunks = max(1, round(gb * (1 << 30) / CHUNK / SHARDS))
-    for shard in range(SHARDS):
-        with open(merged / f"model-{shard + 1:05d}-of-{SHARDS:05d}.safetensors", "wb") as file:
+    shards = [merged / f"model-{shard + 1:05d}-of-{SHARDS:05d}.safetensors" for shard in range(SHARDS)]
+    for shard in shards:
+        with open(shard, "wb") as file:
             for _ in range(chunks):
                 file.write(os.urandom(CHUNK))
     figures: dict = {"gb": SHARDS * chunks * CHUNK / (1 << 30)}
@@ -57,9 +58,8 @@ def measure(work: Path, gb: float) -> dict:
         timings: dict = {}
         promote(merged, work / f"submission-{name}", min_format_rate=0.0, format_rate=0.0, accuracy=1.0,
                 check=lambda path: None, copy_tree=copy_tree, timings=timings)  # fmt: skip
-        shard = merged / f"model-00001-of-{SHARDS:05d}.safetensors"
         # Whether the submission shares the round's files: a filesystem without hard links copies them all the same.
-        timings["shares_files"] = os.path.samefile(work / f"submission-{name}" / shard.name, shard)
+        timings["shares_files"] = os.path.samefile(work / f"submission-{name}" / shards[0].name, shards[0])
         figures[name] = timings
     shutil.rmtree(work)
     return figures

@@ -9,6 +9,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -65,12 +66,21 @@ def test_first_promotion_writes_model_and_marker(tmp_path):
     assert merged.is_dir()  # copied, not moved: the round folder stays whole
 
 
-def test_a_promotion_times_its_copy_flush_and_check(tmp_path):
+def test_a_promotion_times_its_copy_flush_and_check(tmp_path, monkeypatch):
     merged, submission = _model(tmp_path / "a", "a"), tmp_path / "submission"
+    clock = [0.0]  # promotion's monotonic clock, moved only by the copy and the check below
+    monkeypatch.setattr(promotion, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
+
+    def copy_tree(source, target):
+        clock[0] += 2.0
+        shutil.copytree(source, target)
+
+    def check(path):
+        clock[0] += 3.0
+
     timings = {}
-    assert _promote(merged, submission, 70.0, check=lambda path: time.sleep(0.3), timings=timings)
-    assert set(timings) == {"copy", "flush", "check"} and timings["check"] >= 0.3
-    assert all(0 <= seconds < 0.3 for part, seconds in timings.items() if part != "check")
+    assert _promote(merged, submission, 70.0, check=check, copy_tree=copy_tree, timings=timings)
+    assert timings == {"copy": 2.0, "flush": 0.0, "check": 3.0}
     refused = {}
     assert not _promote(merged, submission, 60.0, timings=refused)  # not better: nothing was copied or checked
     assert refused == {}
