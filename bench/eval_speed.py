@@ -61,6 +61,9 @@ END_TO_END_VARIANTS: dict[str, dict[str, Any]] = {
     "compile_pool_on_demand": {"environment": {"TORCH_WARM_POOL": "0"}},
     # Nothing compiled: the dynamic cache.
     "dynamic_cache": {"arguments": ["--dynamic-cache"]},
+    # dynamo's traced bytecode and guards saved to disk and loaded by the next process (torch's experimental
+    # caching precompile): the first run saves, the second is the figure.
+    "dynamo_precompile": {"environment": {"TORCH_CACHING_PRECOMPILE": "1"}, "runs": 2},
 }
 
 
@@ -131,7 +134,7 @@ def _end_to_end(model_dir: Path, split_dir: Path, inductor_cache: str, batch_siz
                 **options: bool) -> dict[str, Any]:  # fmt: skip
     """`python -m evaluator` on every row of the split in a fresh process, with `options` (`evaluate`'s flags) and
     the arguments and environment of `END_TO_END_VARIANTS[variant]`. `exit_seconds`: from the report's appearance on
-    disk to the process's end."""
+    disk to the process's end; `answers`: the report's, row by row."""
     changes = END_TO_END_VARIANTS[variant] if variant else {}
     with tempfile.TemporaryDirectory() as scratch:
         report_path = Path(scratch) / "report.json"
@@ -153,7 +156,8 @@ def _end_to_end(model_dir: Path, split_dir: Path, inductor_cache: str, batch_siz
     seconds = ended - start
     return {"n": report["n"], "seconds": seconds, "examples_per_s": report["n"] / seconds,
             "static_cache": report["static_cache"], "inside_seconds": report["seconds"],
-            "exit_seconds": ended - written if written else None, "variant": variant, **options}  # fmt: skip
+            "exit_seconds": ended - written if written else None, "variant": variant, **options,
+            "answers": report["per_row"]["answer"]}  # fmt: skip
 
 
 def _plain(model: Any, processor: Any, rows: list[dict[str, Any]],

@@ -50,6 +50,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from search.verification import CHECK_PARTS  # noqa: E402
+
 SECTIONS = ("eval", "eval_1k", "decode_profile", "grpo", "profile", "vision", "search")
 ROUND_SECONDS = 30 * 60  # the issue's reference round
 PROMOTION_PARTS = ("copy", "flush", "check")  # search.promotion.promote's timings, in order
@@ -167,18 +169,27 @@ def eval_end_to_end(model: Path, split: Path, settings: dict[str, Any], record: 
                     variants: list[str] = ()) -> dict[str, Any]:  # fmt: skip
     """`python -m evaluator` on every row of `split` with `settings` (a batch size and `evaluate`'s flags) in a
     fresh process, with an empty inductor cache and then with the cache that run left, then warm with each of
-    `variants` (eval_speed.END_TO_END_VARIANTS); recorded after each."""
+    `variants` (eval_speed.END_TO_END_VARIANTS; one that saves for its next run runs twice, its first run named
+    `..._first`), with how many rows' answers differ from the warm run's; recorded after each."""
     import tempfile
 
     from bench import eval_speed
 
     figures: dict[str, Any] = {"rows": None, "settings": settings}
     runs = [("end_to_end_cold", None), ("end_to_end_warm", None)]
-    runs += [(f"end_to_end_warm_{variant}", variant) for variant in variants]
+    for variant in variants:  # a variant that saves for its next run runs first, then again for the figure
+        repeats = eval_speed.END_TO_END_VARIANTS[variant].get("runs", 1)
+        runs += [(f"end_to_end_warm_{variant}" + "_first" * (repeats - 1 - run), variant) for run in range(repeats)]
+    answers = None  # the warm defaults' answers, which every later run is compared with
     with tempfile.TemporaryDirectory() as inductor_cache:
         for name, variant in runs:
-            figures[name] = eval_speed._end_to_end(model, split, inductor_cache, variant=variant, **settings)
-            figures["rows"] = figures[name]["n"]
+            run = eval_speed._end_to_end(model, split, inductor_cache, variant=variant, **settings)
+            these = run.pop("answers")
+            if answers is not None:
+                run["rows_with_other_answers"] = sum(a != b for a, b in zip(these, answers))
+            elif name == "end_to_end_warm":
+                answers = these
+            figures[name], figures["rows"] = run, run["n"]
             record(figures)
     return figures
 
@@ -263,8 +274,11 @@ def overhead_figures(rounds: list[dict[str, Any]]) -> dict[str, float]:
     if promotions:
         figures["promotion_seconds"] = sum(promotions) / len(promotions)
     parts = [r["promotion_timings"] for r in rounds if "check" in r["promotion_timings"]]
-    if parts:  # the mean of each part over the promotions that ran whole (the check is the last part)
-        figures["promotion_parts"] = {part: sum(p[part] for p in parts) / len(parts) for part in PROMOTION_PARTS}
+    if parts:  # the mean of each part over the promotions that ran whole (the check is the last part), and of the
+        # check's own parts where every one of them recorded them
+        names = [*PROMOTION_PARTS, *(f"check_{part}" for part in CHECK_PARTS)]
+        figures["promotion_parts"] = {name: sum(p[name] for p in parts) / len(parts) for name in names
+                                      if all(name in p for p in parts)}  # fmt: skip
     whole = [r for r in rounds if all(key in r["timings"] for key in ("setup", "train", "save", "eval"))]
     if not whole:
         return figures

@@ -1,6 +1,7 @@
 """What a promotion's check costs with the real 2B architecture (random weights): the seconds of
-`search.verification.verify` (a fresh process loading the model as the verifier does, then 50 recorded ood_val rows
-generated again), against the load check alone, on the GPU a finished round leaves free.
+`search.verification.verify` as the search runs it (a checker interpreter started ahead, loading the model as the
+verifier does, then 50 recorded ood_val rows generated again) with its parts, against the load check alone, on the
+GPU a finished round leaves free; with --generation-parts, where the generation of those rows goes, in this process.
 
     python bench/verify_cost.py --work built/verify-cost --out bench/results/<date>-h200-verify.json
 
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+READY_S = 15  # before each check: a round runs between two checks of a search, while the next checker imports
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -24,18 +26,22 @@ if str(ROOT) not in sys.path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, default=ROOT / "built" / "verify-cost")
+    parser.add_argument("--model", type=Path, help="the 2B model folder (default: built under --work)")
     parser.add_argument("--rows", type=int, default=50)
+    parser.add_argument("--generation-parts", action="store_true",
+                        help="also time the check's generation in this process, taken apart (generation_parts)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
     import torch
 
     from evaluator.evaluation import evaluate
+    from search import verification
     from search.verification import expected_answers, verify
     from synthetic.models import build_model
     from synthetic.splits import write_split
 
-    model, split = args.work / "model-2b", args.work / "ood"
+    model, split = args.model or args.work / "model-2b", args.work / "ood"
     if not (model / "config.json").is_file():
         build_model(model, size="2b", seed=0)
     if not split.is_dir():
@@ -45,26 +51,69 @@ def main(argv: list[str] | None = None) -> int:
     record_s = time.perf_counter() - began
     expected = expected_answers(report["per_row"], rows=args.rows)
     gpus = [0] if torch.cuda.is_available() else []
-    began = time.perf_counter()
-    load_only = verify(model, gpus=gpus)
-    load_s = time.perf_counter() - began
-    began = time.perf_counter()
-    checked = verify(model, split, expected, gpus=gpus, batch_size=64)
-    check_s = time.perf_counter() - began
+    verification.keep_a_checker_ready()  # as the search does
+    try:
+        time.sleep(READY_S)
+        began = time.perf_counter()
+        load_only = verify(model, gpus=gpus)
+        load_s = time.perf_counter() - began
+        time.sleep(READY_S)
+        began = time.perf_counter()
+        checked = verify(model, split, expected, gpus=gpus, batch_size=64)
+        check_s = time.perf_counter() - began
+    finally:
+        verification.keep_a_checker_ready(False)
     result = {
         "machine": torch.cuda.get_device_name() if gpus else "cpu",
         "rows": args.rows,
         "record_s": round(record_s, 1),
         "verify_load_only_s": round(load_s, 1),
         "verify_s": round(check_s, 1),
+        "verify_load_only_parts": load_only["seconds"],
+        "verify_parts": checked["seconds"],
         "differ": checked["differ"],
         "mean_completion_tokens": report["mean_completion_tokens"],
         "torch": torch.__version__,
     }
+    if args.generation_parts and gpus:
+        result["generation"] = generation_parts(model, split, args.rows)
     print(json.dumps(result))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0 if load_only["rows"] == 0 else 1
+
+
+def generation_parts(model_dir: Path, split_dir: Path, rows: int) -> dict[str, float]:
+    """Seconds of one `generate` of the first `rows` rows with the protocol's settings, inputs prepared beforehand, on
+    the model loaded as the evaluator loads it: with the dynamic cache as the check runs it, the first time in this
+    process and again (every attention shape seen before), with cuDNN's attention off, and with the static cache
+    uncompiled (one cache length for every step), first and again."""
+    import torch
+
+    from bench.eval_speed import _timed
+    from evaluator.data import load_split
+    from evaluator.evaluation import load_model
+    from evaluator.generation import build_inputs
+    from evaluator.protocol import GENERATION_KWARGS
+
+    model, processor = load_model(model_dir, "cuda:0")
+    split = load_split(split_dir)
+    inputs = build_inputs(processor, [split[index] for index in range(rows)]).to(model.device)
+
+    def generate(**options: object) -> float:
+        with torch.inference_mode():
+            return _timed(lambda: model.generate(**inputs, **GENERATION_KWARGS, **options))[0]
+
+    parts = {"dynamic_first_s": generate(), "dynamic_again_s": generate()}
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        parts["dynamic_cudnn_attention_off_s"] = generate()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    static = {"cache_implementation": "static", "disable_compile": True}
+    parts["static_uncompiled_first_s"] = generate(**static)
+    parts["static_uncompiled_again_s"] = generate(**static)
+    return {name: round(seconds, 2) for name, seconds in parts.items()}
 
 
 if __name__ == "__main__":

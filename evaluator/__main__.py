@@ -18,6 +18,7 @@ import transformers
 
 from evaluator.data import DataError
 from evaluator.evaluation import DEFAULT_CPU_BATCH_SIZE, DEFAULT_GPU_BATCH_SIZE, ModelError, evaluate
+from evaluator.process_exit import exit_now
 
 EXIT_BAD_INPUT = 2
 
@@ -119,4 +120,4 @@ def _parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -53,15 +53,16 @@ def evaluate(
     repeated_kv_cache: bool = True,
     batched_vision_attention: bool = False,
     folded_gqa_attention: bool = False,
+    compiled_decode: bool = True,
 ) -> dict[str, Any]:
     """The report of `model_dir` on the split folder `data` (see `report.build_report` for the scores).
 
     Rows: all of them; `limit` of them (the first, or a seeded subset with `seed`); or exactly the split's rows at
     `indices` (what a report's `per_row.index` names: the search re-checks a promoted model on rows it was scored on).
     devices: None for every visible GPU (the CPU when there is none), else device names, one worker each; the same
-    name may repeat (["cpu", "cpu"] runs two CPU workers). static_cache: see `generate_completions`; ignored on a
-    CPU. `max_new_tokens` other than 256 is not the verifier's protocol: it is for quick checks, and the report
-    records it. repeated_kv_cache, batched_vision_attention, folded_gqa_attention: see `load_model`; the repeated-KV
+    name may repeat (["cpu", "cpu"] runs two CPU workers). static_cache, compiled_decode: see
+    `generate_completions`; ignored on a CPU. `max_new_tokens` other than 256 is not the verifier's protocol: it is
+    for quick checks, and the report records it. repeated_kv_cache, batched_vision_attention, folded_gqa_attention: see `load_model`; the repeated-KV
     cache is a static cache's, and folded attention, which reads the ordinary cache in place, needs none.
     """
     start = time.perf_counter()
@@ -84,7 +85,7 @@ def evaluate(
     shards = [shard for shard in shards if shard]
     jobs = [
         (model_dir, device, rows.select(shard), batch_size, max_new_tokens, static_cache, repeated_kv_cache,
-         batched_vision_attention, folded_gqa_attention, len(shards))
+         batched_vision_attention, folded_gqa_attention, compiled_decode, len(shards))
         for device, shard in zip(devices, shards)
     ]
     if len(jobs) == 1:
@@ -109,6 +110,7 @@ def evaluate(
         "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
         "static_cache": static_cache,
+        "compiled_decode": compiled_decode and static_cache,
         "repeated_kv_cache": repeated_kv_cache,
         "batched_vision_attention": batched_vision_attention,
         "folded_gqa_attention": folded_gqa_attention,
@@ -199,6 +201,7 @@ def _run_shard(
     repeated_kv_cache: bool,
     batched_vision_attention: bool,
     folded_gqa_attention: bool,
+    compiled_decode: bool,
     workers: int,
 ) -> list[Completion]:
     """One worker: load the model on `device` and generate its rows' completions, in their order."""
@@ -208,4 +211,5 @@ def _run_shard(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))  # CPU workers share the cores
     model, processor = load_model(model_dir, device, batched_vision_attention, folded_gqa_attention, repeated_kv_cache)
     return generate_completions(model, processor, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                static_cache=static_cache, repeated_kv_cache=repeated_kv_cache)  # fmt: skip
+                                static_cache=static_cache, repeated_kv_cache=repeated_kv_cache,
+                                compiled_decode=compiled_decode)  # fmt: skip

@@ -39,6 +39,7 @@ def generate_completions(
     max_new_tokens: int = GENERATION_KWARGS["max_new_tokens"],
     static_cache: bool = False,
     repeated_kv_cache: bool = False,
+    compiled_decode: bool = True,
 ) -> list[Completion]:
     """One greedy completion per row (a mapping with a PIL `image` and a `problem`), in the order of `rows`.
 
@@ -47,14 +48,16 @@ def generate_completions(
     caches it on disk for later processes), then about 3x faster per decode step than the dynamic cache.
     `repeated_kv_cache` (with `static_cache`; the model set up with `use_repeated_kv_attention`): the static cache
     holds each key/value head once per query head (`evaluator.repeated_kv_cache`): attention gets the same inputs
-    without a copy of the cache at every decode step.
+    without a copy of the cache at every decode step. `compiled_decode=False` (with `static_cache`) decodes eagerly
+    over the same cache: nothing compiled, and attention sees one cache length at every step, where the dynamic
+    cache's growing length makes cuDNN choose a kernel plan per step the first time a process meets it.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if len(rows) == 0:
         return []
     repeated = static_cache and repeated_kv_cache
-    kwargs = _generation_kwargs(max_new_tokens, static_cache and not repeated)
+    kwargs = _generation_kwargs(max_new_tokens, static_cache and not repeated, compiled_decode)
     cache = None
     batches = _length_sorted_batches(rows, processor, batch_size)
     # A compiled static-cache decode step recompiles for every new batch shape, so short batches are filled up.
@@ -87,7 +90,7 @@ def build_inputs(processor: Any, rows: Sequence[Mapping[str, Any]]) -> Any:
     return processor(text=texts, images=images, videos=videos, padding=True, padding_side="left", return_tensors="pt")
 
 
-def _generation_kwargs(max_new_tokens: int, static_cache: bool) -> dict[str, Any]:
+def _generation_kwargs(max_new_tokens: int, static_cache: bool, compiled_decode: bool = True) -> dict[str, Any]:
     """The verifier's `generate` keyword arguments, on top of the model's own generation config as it does.
 
     The model's config keeps what greedy decoding uses from it (end-of-sequence and pad ids, a repetition penalty if
@@ -98,6 +101,8 @@ def _generation_kwargs(max_new_tokens: int, static_cache: bool) -> dict[str, Any
     kwargs = {**GENERATION_KWARGS, "max_new_tokens": max_new_tokens}
     if static_cache:
         kwargs["cache_implementation"] = "static"
+    if not compiled_decode:  # transformers compiles the decode step of any static cache unless told not to
+        kwargs["disable_compile"] = True
     return kwargs
 
 

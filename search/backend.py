@@ -70,3 +70,7 @@ class Backend(Protocol):
 
     def has_weights(self, merged_dir: str) -> bool:
         """Whether a round's merged model is still there to start another round from."""
+
+    def wait(self, seconds: float) -> None:
+        """Return after `seconds`, or sooner once a process of a running round has ended: the scheduler's pause
+        between polls, so that it moves a round on (its evaluation, its promotion, the next round) at once."""

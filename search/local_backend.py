@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -56,17 +57,26 @@ class LocalBackend:
         self.evaluator_command: list[str] = [sys.executable, "-m", "evaluator"]
         self.kill_grace_s = 30.0
         self.threads_per_round = threads_per_round(settings)
+        self._rounds: list[LocalRound] = []  # those started, until `wait` sees them done
 
     def start(self, config: TrialConfig, gpus: list[int]) -> "LocalRound":
         run_dir = _fresh_run_dir(config.output_dir)
         config.to_json(run_dir / TRIAL_FILE)
-        return LocalRound(self, run_dir, gpus)
+        return self._started(LocalRound(self, run_dir, gpus))
 
     def score(self, model_dir: str, run_dir: str, gpus: list[int]) -> "LocalRound":
-        return LocalRound(self, _fresh_run_dir(run_dir), gpus, model_dir=Path(model_dir))
+        return self._started(LocalRound(self, _fresh_run_dir(run_dir), gpus, model_dir=Path(model_dir)))
 
     def has_weights(self, merged_dir: str) -> bool:
         return Path(merged_dir, "config.json").is_file()
+
+    def wait(self, seconds: float) -> None:
+        self._rounds = [r for r in self._rounds if r.phase() != Phase.DONE]
+        wait_for_any_end([r.pid for r in self._rounds], seconds)
+
+    def _started(self, round_: "LocalRound") -> "LocalRound":
+        self._rounds.append(round_)
+        return round_
 
     def reap_orphan(self, run_dir: str | os.PathLike) -> list[int]:
         """Kill what is left of a round whose scheduler died (SIGKILL, power loss of the scheduler alone): every
@@ -150,6 +160,11 @@ class LocalRound:
 
     def phase(self) -> Phase:
         return self._phase
+
+    @property
+    def pid(self) -> int:
+        """The process the round is running now (its trainer or an evaluator; the last one once done)."""
+        return self._proc.pid
 
     def done(self) -> bool:
         if self._phase == Phase.DONE:
@@ -279,6 +294,32 @@ class LocalRound:
         if self._eval_cut is not None:
             timings["eval_at_least"] = self._eval_cut
         return timings
+
+
+def wait_for_any_end(pids: list[int], seconds: float) -> None:
+    """Sleep `seconds`, or less: until one of `pids` (this process's children) has ended. Each is watched through
+    a Linux process file descriptor (pidfd), readable once the process has ended, reaped or not; without pidfds
+    (not Linux 5.3+), a plain sleep."""
+    descriptors: list[int] = []
+    try:
+        for pid in pids:
+            descriptors.append(os.pidfd_open(pid))
+    except ProcessLookupError:  # one has ended and was reaped already: no waiting
+        seconds = 0.0
+    except (AttributeError, OSError):
+        for descriptor in descriptors:
+            os.close(descriptor)
+        descriptors = []
+    try:
+        if seconds <= 0:
+            return
+        if descriptors:
+            select.select(descriptors, [], [], seconds)
+        else:
+            time.sleep(seconds)
+    finally:
+        for descriptor in descriptors:
+            os.close(descriptor)
 
 
 def threads_per_round(settings) -> int | None:

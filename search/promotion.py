@@ -168,11 +168,11 @@ def check_submission(
     gpus: list[int] | tuple = (),
     batch_size: int | None = None,
     **options: Any,
-) -> None:
+) -> dict:
     """Check `path` as the verifier will use it (search.verification.verify: it loads, and with `expected` it gives the
-    recorded answers on those rows of the split `data`); raises PromotionError on failure."""
+    recorded answers on those rows of the split `data`); returns verify's outcome, raises PromotionError on failure."""
     try:
-        verification.verify(path, data, expected, gpus=gpus, batch_size=batch_size, **options)
+        return verification.verify(path, data, expected, gpus=gpus, batch_size=batch_size, **options)
     except verification.VerificationError as error:
         raise PromotionError(str(error)) from None
 

@@ -144,12 +144,18 @@ def _search(request: Request, storage: dict[str, str | None], recording: log.Rec
         promote=promote,
         on_round_scored=None if request.simulate else RoundPlot(settings),
     )
+    if not request.simulate:
+        from search.verification import keep_a_checker_ready
+
+        keep_a_checker_ready()  # the first promotion's check finds its interpreter started
     try:
         scheduler.run()
     except KeyboardInterrupt:
         log.warn("interrupted: running rounds were ended; the study and the submission are as they were")
         return 130
     finally:
+        if not request.simulate:
+            keep_a_checker_ready(False)
         from search.leaderboard import write_leaderboard
 
         write_leaderboard(study, folder)

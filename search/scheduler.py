@@ -54,7 +54,7 @@ from trainer.config import ConfigError, TrialConfig
 from trainer.run_folder import FailureKind, Phase, RoundState
 from trainer.validation import InvalidValue, is_number
 
-POLL_S = 5.0  # between two polls of the running rounds
+POLL_S = 5.0  # between two polls of the running rounds at most: a round's process that ends wakes it (Backend.wait)
 HEARTBEAT_S = 60.0  # real seconds between two heartbeats of our running trials; scheduler-clock seconds between sweeps
 # A RUNNING trial whose heartbeat has not moved for this many real seconds belongs to a dead worker. Generous: a
 # database that is briefly unreachable skips beats; a dead worker on this host is known at once.
@@ -200,7 +200,7 @@ class Scheduler:
                 if self._closed is not None and not self._running:
                     break
                 self._status(now)
-                self.clock.sleep(POLL_S)
+                self.backend.wait(POLL_S)
         finally:
             self._heartbeat.stop()
             self._abandon_running()
@@ -497,15 +497,16 @@ class Scheduler:
         s = self.settings
         expected = verification.expected_answers(outcome.ood_rows) if outcome.ood_rows else None
         gpus = trial.user_attrs.get("gpus", [])
+        timings: dict[str, float] = {}
 
         def check(path: Path) -> None:
-            promotion.check_submission(path, data=s.ood_val_path, expected=expected, gpus=gpus,
-                                       batch_size=s.eval_batch_size)  # fmt: skip
+            checked = promotion.check_submission(path, data=s.ood_val_path, expected=expected, gpus=gpus,
+                                                 batch_size=s.eval_batch_size)  # fmt: skip
+            timings.update({f"check_{part}": seconds for part, seconds in (checked or {}).get("seconds", {}).items()})
 
         base = trial.user_attrs.get("recipe") == space.BASE
         # A trained round's merged folder is this search's own: linked. The base model's folder is the user's: copied.
         own = outcome.merged_dir is not None and inside(outcome.merged_dir, s.rounds_dir)
-        timings: dict[str, float] = {}
         try:
             return promotion.promote(
                 outcome.merged_dir,

@@ -81,6 +81,9 @@ class SimulatedBackend:
     def has_weights(self, merged_dir: str) -> bool:
         return merged_dir == self.settings.model_path or merged_dir in self._models
 
+    def wait(self, seconds: float) -> None:
+        self.clock.sleep(seconds)  # a virtual clock: the simulated rounds move on as it does
+
     def start_point(self, model_path: str) -> tuple[float, int, bool]:
         """(noise-free accuracy, total steps from the base, clean answer format) of the model a round starts from;
         anything this backend did not make is the base model."""

@@ -122,7 +122,7 @@ def _evaluator(argv: list[str]) -> int:
 def _search(argv: list[str]) -> int:
     sys.path.insert(0, str(ROOT))
     import run_search
-    from search import local_backend, promotion, scheduler
+    from search import local_backend, promotion, scheduler, verification
 
     scheduler.POLL_S = float(os.environ.get("STUB_POLL_S", "0.1"))
     original_init = local_backend.LocalBackend.__init__
@@ -135,7 +135,9 @@ def _search(argv: list[str]) -> int:
 
     local_backend.LocalBackend.__init__ = init
     if os.environ.get("STUB_CHECK") != "real":
-        promotion.check_submission = lambda path, **kwargs: None  # looked up at call time
+        # Looked up at call time; a check whose parts took no time, as the real one reports them.
+        promotion.check_submission = lambda path, **kwargs: {"seconds": dict.fromkeys(verification.CHECK_PARTS, 0.0)}
+        verification.keep_a_checker_ready = lambda on=True: None  # no checker interpreter to start
     if os.environ.get("STUB_ENOSPC_COPY"):  # the N-th promotion's copy fills the disk halfway
         import errno
         import shutil

@@ -26,3 +26,23 @@ def test_gpu_bench_rejects_an_unknown_eval_1k_variant_before_building_anything(t
     assert exit_info.value.code == 2
     assert "unknown eval_1k variant 'nope'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_eval_1k_runs_a_saving_variant_twice_and_compares_every_run_s_answers_with_the_warm_one(monkeypatch):
+    monkeypatch.setitem(eval_speed.END_TO_END_VARIANTS, "saving", {"environment": {"X": "1"}, "runs": 2})
+    caches, answers = [], {None: [1, 2, 3], "saving": [1, 2, 4], "dynamic_cache": [1, 2, 3]}
+
+    def end_to_end(model, split, inductor_cache, variant=None, **settings):  # the fresh process, without one
+        caches.append(inductor_cache)
+        return {"n": 3, "variant": variant, "answers": list(answers[variant])}
+
+    monkeypatch.setattr(eval_speed, "_end_to_end", end_to_end)
+    recorded = []
+    figures = gpu.eval_end_to_end("model", "split", {"batch_size": 4}, recorded.append, ["saving", "dynamic_cache"])
+    assert list(figures) == ["rows", "settings", "end_to_end_cold", "end_to_end_warm", "end_to_end_warm_saving_first",
+                             "end_to_end_warm_saving", "end_to_end_warm_dynamic_cache"]  # fmt: skip
+    assert len(set(caches)) == 1 and len(recorded) == 5  # one inductor cache for all, recorded after each run
+    assert "rows_with_other_answers" not in figures["end_to_end_warm"]
+    assert [figures[f"end_to_end_warm_{name}"]["rows_with_other_answers"]
+            for name in ("saving_first", "saving", "dynamic_cache")] == [1, 1, 0]  # fmt: skip
+    assert not any("answers" in run for run in figures.values() if isinstance(run, dict))

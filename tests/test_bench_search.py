@@ -28,6 +28,19 @@ def test_overhead_counts_a_promotion_for_the_trained_rounds_that_were_not_promot
     assert figures["overhead_fraction"] == pytest.approx(66.0 / 1800)
 
 
+def test_the_check_s_own_parts_are_averaged_where_every_promotion_recorded_them():
+    check = {"check_start": 0.5, "check_load": 6.0, "check_answers": 20.0, "check_exit": 0.1}
+    first = _round(0, timings={"eval": 60.0}, promotion_s=40.0, promotion_timings={"copy": 4.0, "flush": 2.0,
+                                                                                   "check": 30.0, **check})
+    second = _round(3, timings={"eval": 60.0}, promotion_s=20.0, promotion_timings={
+        "copy": 0.0, "flush": 0.0, "check": 20.0, **{name: 2 * seconds for name, seconds in check.items()}})
+    parts = gpu.overhead_figures([first, second])["promotion_parts"]
+    assert parts == pytest.approx({"copy": 2.0, "flush": 1.0, "check": 25.0, "check_start": 0.75, "check_load": 9.0,
+                                   "check_answers": 30.0, "check_exit": 0.15})  # fmt: skip
+    older = _round(4, timings={"eval": 60.0}, promotion_s=36.0, promotion_timings={"copy": 0, "flush": 0, "check": 36})
+    assert set(gpu.overhead_figures([first, older])["promotion_parts"]) == {"copy", "flush", "check"}
+
+
 def test_overhead_without_a_trained_round_has_only_the_promotion():
     base = _round(0, timings={"eval": 60.0}, promotion_s=40.0, duration_s=60.0)
     killed = _round(1, timings={"setup": 20.0, "train": 50.0})

@@ -181,6 +181,27 @@ def test_the_repeated_kv_cache_gives_the_static_caches_answers_row_for_row(
         generate_completions(ordinary, processor, rows, 3, SHORT, static_cache=True, repeated_kv_cache=True)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_an_eager_decode_over_the_static_cache_gives_the_compiled_answers_row_for_row(
+    lively_model: Any, processor: Any, rows: list, device: str
+) -> None:
+    """What the promotion's check runs (`compiled_decode=False`): transformers is told not to compile the decode
+    step, nothing is compiled, and the completions are the compiled decode step's (on a CPU neither compiles)."""
+    from torch._dynamo.utils import counters
+
+    model = copy.deepcopy(lively_model).to(device)
+    use_repeated_kv_attention(model)
+    compiled = generate_completions(model, processor, rows, 3, SHORT, static_cache=True, repeated_kv_cache=True)
+    assert len({completion.text for completion in compiled}) > 1, "the model must answer differently to some rows"
+    told, generate = [], model.generate
+    model.generate = lambda **kwargs: told.append(kwargs.get("disable_compile")) or generate(**kwargs)
+    graphs = counters["stats"]["unique_graphs"]
+    eager = generate_completions(model, processor, rows, 3, SHORT, static_cache=True, repeated_kv_cache=True,
+                                 compiled_decode=False)  # fmt: skip
+    assert eager == compiled
+    assert told == [True] * -(-len(rows) // 3) and counters["stats"]["unique_graphs"] == graphs
+
+
 def test_completion_tokens_count_up_to_the_first_end_of_sequence() -> None:
     im_end, end_of_text = 151645, 151643  # Qwen2-VL's end-of-sequence ids; end_of_text also pads finished rows
     new_tokens = torch.tensor([[5, im_end, end_of_text, end_of_text], [5, 6, 7, 8], [end_of_text, 9, 9, 9]])

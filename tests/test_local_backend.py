@@ -336,3 +336,27 @@ def test_rounds_side_by_side_share_out_the_cores(tmp_path, monkeypatch):
     assert threads_per_round(make_settings(tmp_path, gpus=0, rounds_per_slot=4)) is None  # a CPU: one at a time
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
     assert threads_per_round(make_settings(tmp_path, gpus=1, gpus_per_trial=1, rounds_per_slot=4)) is None
+
+
+def test_wait_returns_when_a_round_s_process_ends_and_sleeps_its_time_otherwise(backend, tmp_path, monkeypatch):
+    handle = start(backend, tmp_path, "ok", monkeypatch)
+    trainer, began = handle.pid, time.monotonic()
+    backend.wait(300.0)  # the scheduler's pause between two polls
+    assert time.monotonic() - began < 300.0 and not alive(trainer)  # it returned because the trainer ended
+    wait_done(handle)
+    began = time.monotonic()
+    backend.wait(0.2)  # no round running: a plain pause
+    assert time.monotonic() - began >= 0.2
+    assert backend._rounds == []  # a done round is no longer watched
+
+
+def test_wait_for_any_end_without_children_or_pidfds_sleeps(monkeypatch):
+    from search import local_backend
+
+    began = time.monotonic()
+    local_backend.wait_for_any_end([], 0.1)
+    assert time.monotonic() - began >= 0.1
+    monkeypatch.delattr(local_backend.os, "pidfd_open")  # another kernel or system
+    began = time.monotonic()
+    local_backend.wait_for_any_end([os.getpid()], 0.1)
+    assert time.monotonic() - began >= 0.1

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from evaluator.evaluation import evaluate
+from faultkit import alive
 from search import verification
 from search.promotion import MARKER, check_submission, final_check, promote, promoted
-from search.verification import VerificationError, allowed_disagreements, expected_answers, verify
+from search.verification import CHECK_PARTS, VerificationError, allowed_disagreements, expected_answers, verify
 
 
 # The random tiny model never stops on its own: its answers are recorded and checked with a short cap (the search
@@ -39,8 +44,14 @@ def test_the_tolerance_is_two_rows_in_fifty():
 
 
 def test_a_model_passes_when_it_answers_as_recorded_and_fails_otherwise(tiny_model_dir, tiny_split_dir, recorded):
+    began = time.monotonic()
     outcome = verify(tiny_model_dir, tiny_split_dir, recorded, max_new_tokens=TOKENS)
-    assert outcome["rows"] == 8 and outcome["differ"] == 0
+    wall = time.monotonic() - began
+    assert outcome["rows"] == 8 and outcome["differ"] == 0 and outcome["device"] == "cpu"
+    # Where the check's seconds went: each part once, in order, and together no more than the call took.
+    parts = outcome["seconds"]
+    assert list(parts) == list(CHECK_PARTS) and min(parts.values()) >= 0
+    assert parts["load"] > 0 and parts["answers"] > 0 and sum(parts.values()) <= wall + 0.05
     # What the check sees when the folder holds other weights than those that were scored: other answers.
     other = {"index": recorded["index"], "answer": list(recorded["answer"])}
     for row in (1, 4, 6):
@@ -88,12 +99,74 @@ def test_the_final_check_restores_the_previous_submission(tiny_model_dir, tiny_s
 def test_the_check_runs_offline_on_the_gpus_it_is_given(monkeypatch, tiny_model_dir):
     seen = {}
 
-    def run(command, **kwargs):
-        seen.update(kwargs["env"])
-        raise verification.subprocess.TimeoutExpired(command, 1)
+    class Checker:  # a checker that never answers
+        returncode = None
 
-    monkeypatch.setattr(verification.subprocess, "run", run)
+        def __init__(self, command, **kwargs):
+            seen.update(kwargs["env"])
+
+        def poll(self):
+            return self.returncode
+
+        def communicate(self, request=None, timeout=None):
+            if request is None:  # after the kill
+                return "", ""
+            seen["request"] = json.loads(request)
+            raise subprocess.TimeoutExpired("checker", timeout)
+
+        def kill(self):
+            self.returncode = -9
+
+    monkeypatch.setattr(verification.subprocess, "Popen", Checker)
     with pytest.raises(VerificationError, match="checking took over"):
         verify(tiny_model_dir, gpus=[1, 3])
-    assert seen["CUDA_VISIBLE_DEVICES"] == "1,3" and seen["HF_HUB_OFFLINE"] == "1"
+    assert seen["request"]["cuda_visible_devices"] == "1,3" and seen["HF_HUB_OFFLINE"] == "1"
+    assert seen["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"  # so that the imports before the request leave CUDA alone
     assert str(Path(verification.__file__).resolve().parents[1]) in seen["PYTHONPATH"]
+
+
+def test_a_checker_started_ahead_serves_the_next_check_and_another_takes_its_place(tiny_model_dir, tiny_split_dir,
+                                                                                    recorded):  # fmt: skip
+    verification.keep_a_checker_ready()
+    try:
+        ahead = verification._ready
+        assert ahead is not None and ahead.poll() is None
+        outcome = verify(tiny_model_dir, tiny_split_dir, recorded, max_new_tokens=TOKENS)
+        assert outcome["differ"] == 0 and ahead.returncode == 0  # it served this check, and ended
+        successor = verification._ready
+        assert successor is not None and successor is not ahead and successor.poll() is None
+    finally:
+        verification.keep_a_checker_ready(False)
+    assert successor.returncode is not None and verification._ready is None
+
+
+def test_a_waiting_checker_ends_with_the_search_that_started_it(tmp_path):
+    script = ("from search import verification\n"
+              "verification.keep_a_checker_ready()\n"
+              "print(verification._ready.pid, flush=True)\n"
+              "import os; os._exit(0)  # the search killed: no teardown of its own\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(verification.__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.strip())
+    until = time.monotonic() + 300  # it ends once its imports are done and it reads the closed request pipe
+    while alive(pid):
+        assert time.monotonic() < until, f"the checker {pid} outlived its search"
+        time.sleep(0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_checker_started_ahead_runs_on_the_gpus_its_request_names(tiny_model_dir, tiny_split_dir, recorded):
+    """The GPUs are chosen after the checker's imports: those must not have initialized CUDA."""
+    on_gpu = evaluate(tiny_model_dir, tiny_split_dir, devices=["cuda:0"], batch_size=4, max_new_tokens=TOKENS,
+                      static_cache=False)  # as the check generates  # fmt: skip
+    verification.keep_a_checker_ready()
+    try:
+        hidden = verify(tiny_model_dir, tiny_split_dir, recorded, gpus=[], max_new_tokens=TOKENS)
+        shown = verify(tiny_model_dir, tiny_split_dir, expected_answers(on_gpu["per_row"]), gpus=[0],
+                       max_new_tokens=TOKENS)  # fmt: skip
+    finally:
+        verification.keep_a_checker_ready(False)
+    assert (hidden["device"], hidden["differ"]) == ("cpu", 0)
+    assert (shown["device"], shown["differ"]) == ("cuda:0", 0)
+

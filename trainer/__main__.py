@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from evaluator.process_exit import exit_now
 from trainer.config import ConfigError, TrialConfig
 from trainer.layout import batch_layout, launched_processes
 
@@ -44,4 +45,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
