@@ -158,8 +158,8 @@ def test_a_waiting_checker_ends_with_the_search_that_started_it(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_checker_started_ahead_runs_on_the_gpus_its_request_names(tiny_model_dir, tiny_split_dir, recorded):
     """The GPUs are chosen after the checker's imports: those must not have initialized CUDA."""
-    on_gpu = evaluate(tiny_model_dir, tiny_split_dir, devices=["cuda:0"], batch_size=4, max_new_tokens=TOKENS,
-                      static_cache=False)  # as the check generates  # fmt: skip
+    on_gpu = evaluate(tiny_model_dir, tiny_split_dir, devices=["cuda:0"], max_new_tokens=TOKENS, static_cache=True,
+                      compiled_decode=False)  # as the check generates: one batch of the 8 rows  # fmt: skip
     verification.keep_a_checker_ready()
     try:
         hidden = verify(tiny_model_dir, tiny_split_dir, recorded, gpus=[], max_new_tokens=TOKENS)
