@@ -85,34 +85,34 @@ def main(argv: list[str] | None = None) -> int:
 
 def generation_parts(model_dir: Path, split_dir: Path, rows: int) -> dict[str, float]:
     """Seconds of one `generate` of the first `rows` rows with the protocol's settings, inputs prepared beforehand, on
-    the model loaded as the evaluator loads it: with the dynamic cache as the check runs it, the first time in this
-    process and again (every attention shape seen before), with cuDNN's attention off, and with the static cache
-    uncompiled (one cache length for every step), first and again."""
+    the model loaded as the evaluator loads it: with the dynamic cache, the first time in this process and again
+    (every attention shape seen before), and with cuDNN's attention off; then with transformers' static cache
+    uncompiled (one cache length for every step, as the check decodes over its repeated-KV one), first and again."""
     import torch
 
     from bench.eval_speed import _timed
     from evaluator.data import load_split
     from evaluator.evaluation import load_model
-    from evaluator.generation import build_inputs
+    from evaluator.generation import _generation_kwargs, build_inputs
     from evaluator.protocol import GENERATION_KWARGS
 
     model, processor = load_model(model_dir, "cuda:0")
     split = load_split(split_dir)
     inputs = build_inputs(processor, [split[index] for index in range(rows)]).to(model.device)
 
-    def generate(**options: object) -> float:
+    def generate(static_cache: bool) -> float:
+        kwargs = _generation_kwargs(GENERATION_KWARGS["max_new_tokens"], static_cache, compiled_decode=False)
         with torch.inference_mode():
-            return _timed(lambda: model.generate(**inputs, **GENERATION_KWARGS, **options))[0]
+            return _timed(lambda: model.generate(**inputs, **kwargs))[0]
 
-    parts = {"dynamic_first_s": generate(), "dynamic_again_s": generate()}
+    parts = {"dynamic_first_s": generate(False), "dynamic_again_s": generate(False)}
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
-        parts["dynamic_cudnn_attention_off_s"] = generate()
+        parts["dynamic_cudnn_attention_off_s"] = generate(False)
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
-    static = {"cache_implementation": "static", "disable_compile": True}
-    parts["static_uncompiled_first_s"] = generate(**static)
-    parts["static_uncompiled_again_s"] = generate(**static)
+    parts["static_uncompiled_first_s"] = generate(True)
+    parts["static_uncompiled_again_s"] = generate(True)
     return {name: round(seconds, 2) for name, seconds in parts.items()}
 
 

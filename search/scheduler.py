@@ -502,7 +502,7 @@ class Scheduler:
         def check(path: Path) -> None:
             checked = promotion.check_submission(path, data=s.ood_val_path, expected=expected, gpus=gpus,
                                                  batch_size=s.eval_batch_size)  # fmt: skip
-            timings.update({f"check_{part}": seconds for part, seconds in (checked or {}).get("seconds", {}).items()})
+            timings.update({f"check_{part}": seconds for part, seconds in checked["seconds"].items()})
 
         base = trial.user_attrs.get("recipe") == space.BASE
         # A trained round's merged folder is this search's own: linked. The base model's folder is the user's: copied.
