@@ -11,6 +11,8 @@ one results file with the headline ratios:
   evaluation of a search after its first; the cold run that warms it is in the raw figures), with the evaluator's
   defaults at the batch size eval found fastest when its figures are in --out, else at --e2e-batch-size; then warm
   with each of --eval-1k-variants (eval_speed.END_TO_END_VARIANTS: another compile pool or cache);
+- round_eval (bench/round_evaluation.py): a round's evaluation as budget.yaml sets it (--eval-rows of ood_val, then
+  its val_rows of a val split, its eval_batch_size and seed) in one evaluator process against one per split, warm;
 - decode_profile: one batch of --e2e-batch-size rows, prefill against decode steps and where the time goes;
 - grpo (bench/grpo_speed.py): completions/s of this project's trainer against TRL's defaults, full fine-tuning and
   LoRA r=64, group size 8 (`grpo_full_speedup`, `lora_vs_full`), peak memory of each;
@@ -52,7 +54,7 @@ import yaml  # noqa: E402
 
 from search.verification import CHECK_PARTS  # noqa: E402
 
-SECTIONS = ("eval", "eval_1k", "decode_profile", "grpo", "profile", "vision", "search")
+SECTIONS = ("eval", "eval_1k", "round_eval", "decode_profile", "grpo", "profile", "vision", "search")
 ROUND_SECONDS = 30 * 60  # the reference round
 PROMOTION_PARTS = ("copy", "flush", "check")  # search.promotion.promote's timings, in order
 # The profile's default variants: ~40-60 s each on an H200 after the first (which compiles the rollout), so these and
@@ -135,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
             settings = results.get("eval", {}).get("defaults", {"batch_size": args.e2e_batch_size})
             figures = eval_end_to_end(model, _split(args.work / f"other-{args.eval_rows}", args.eval_rows), settings,
                                       record, eval_1k_variants)  # fmt: skip
+        elif section == "round_eval":
+            from bench import round_evaluation
+
+            budget = yaml.safe_load((ROOT / "budget.yaml").read_text())
+            ood = _split(args.work / f"other-{args.eval_rows}", args.eval_rows)
+            val = _split(args.work / f"train-{budget['val_rows']}", budget["val_rows"], kind="train")
+            figures = round_evaluation.measure(model, ood, val, budget["val_rows"], budget["seed"],
+                                               budget["eval_batch_size"], repeats=1)  # fmt: skip
         elif section == "decode_profile":
             from bench import eval_speed
 
@@ -203,6 +213,8 @@ def _headline(results: dict[str, Any]) -> dict[str, Any]:
     if "end_to_end_warm" in results.get("eval_1k", {}):
         warm = results["eval_1k"]["end_to_end_warm"]
         headline["eval_1k_seconds"] = warm["seconds"] * 1000 / warm["n"]
+    if "together_speedup" in results.get("round_eval", {}):
+        headline["round_eval_saved_s"] = results["round_eval"]["saved_s"]
     if "grpo" in results:
         if "speedup" in results["grpo"].get("full", {}):
             headline["grpo_full_speedup"] = results["grpo"]["full"]["speedup"]
@@ -344,11 +356,11 @@ def _model(folder: Path) -> Path:
     return folder
 
 
-def _split(folder: Path, rows: int) -> Path:
+def _split(folder: Path, rows: int, kind: str = "other") -> Path:
     if not folder.exists():
         from synthetic.splits import write_split
 
-        write_split(folder, "other", rows, seed=0, image_size=(480, 320))
+        write_split(folder, kind, rows, seed=0, image_size=(480, 320))
     return folder
 
 

@@ -14,6 +14,8 @@ _PUBLIC = {
     "load_split": "evaluator.data",
     "ModelError": "evaluator.evaluation",
     "evaluate": "evaluator.evaluation",
+    "evaluate_splits": "evaluator.evaluation",
+    "Split": "evaluator.evaluation",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -1,7 +1,10 @@
-"""`python -m evaluator MODEL_DIR DATA_DIR [--limit N] [--seed S] [--batch-size B] [--out report.json]`.
+"""`python -m evaluator MODEL_DIR DATA_DIR [DATA_DIR ...] [--limit N|all ...] [--seed S] [--batch-size B]
+[--out REPORT ...]`.
 
-Prints a one-line summary and writes the JSON report with --out. Bad input (a missing or malformed split, a folder
-that is not a Qwen2-VL model) is one line on stderr and exit code 2, before any weights are loaded.
+Scores the model on each split, all of them from one load of the model (`evaluation.evaluate_splits`). Prints a
+one-line summary per split and writes each split's JSON report with --out. Bad input (a missing or malformed split,
+a folder that is not a Qwen2-VL model, a count of --limit or --out values that does not match the splits) is an error
+message on stderr and exit code 2, before any weights are loaded.
 """
 
 from __future__ import annotations
@@ -17,23 +20,28 @@ import datasets
 import transformers
 
 from evaluator.data import DataError
-from evaluator.evaluation import DEFAULT_CPU_BATCH_SIZE, DEFAULT_GPU_BATCH_SIZE, ModelError, evaluate
+from evaluator.evaluation import DEFAULT_CPU_BATCH_SIZE, DEFAULT_GPU_BATCH_SIZE, ModelError, Split, evaluate_splits
 from evaluator.process_exit import exit_now
 
 EXIT_BAD_INPUT = 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    # Keep the output to the summary line.
+    parser = _parser()
+    args = parser.parse_args(argv)
+    splits = len(args.data_dirs)
+    if args.limit is not None and len(args.limit) not in (1, splits):
+        parser.error(f"--limit: one value, or one per split ({splits}), got {len(args.limit)}")
+    if args.out is not None and len(args.out) != splits:
+        parser.error(f"--out: one path per split ({splits}), got {len(args.out)}")
+    limits = args.limit if args.limit is not None and len(args.limit) == splits else (args.limit or [None]) * splits
+    # Keep the output to the summary lines.
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     try:
-        report = evaluate(
+        reports = evaluate_splits(
             args.model_dir,
-            args.data_dir,
-            limit=args.limit,
-            seed=args.seed,
+            [Split(data, limit, args.seed) for data, limit in zip(args.data_dirs, limits)],
             batch_size=args.batch_size,
             static_cache=not args.dynamic_cache,
             repeated_kv_cache=args.repeated_kv_cache,
@@ -43,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ModelError) as error:
         print(f"evaluator: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.out is not None:
-        write_report(report, args.out)
-    print(summary(report))
+    for report, out in zip(reports, args.out or [None] * splits):
+        if out is not None:
+            write_report(report, out)
+        print(summary(report) if splits == 1 else f"{report['data']}: {summary(report)}")
     return 0
 
 
@@ -72,14 +81,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _limit(text: str) -> int | None:
+    """A positive number of rows, or `all` (None)."""
+    if text == "all":
+        return None
+    if not text.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'all', got {text!r}")
+    return _positive_int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m evaluator",
-        description="Score a Qwen2-VL model on a counting split with the verifier's exact protocol.",
+        description="Score a Qwen2-VL model on one counting split or several with the verifier's exact protocol.",
     )
     parser.add_argument("model_dir", type=Path, help="save_pretrained folder of a Qwen2-VL model and its processor")
-    parser.add_argument("data_dir", type=Path, help="split folder: save_to_disk output, or parquet/arrow files")
-    parser.add_argument("--limit", type=_positive_int, help="score only this many rows (default: all)")
+    parser.add_argument("data_dirs", type=Path, nargs="+", metavar="data_dir",
+                        help="split folder: save_to_disk output, or parquet/arrow files; several are scored from "
+                        "one load of the model, each with its own report")  # fmt: skip
+    parser.add_argument("--limit", type=_limit, nargs="+", metavar="N",
+                        help="score only this many rows of each split: one value for every split or one per split; "
+                        "'all' for every row (default: all)")  # fmt: skip
     parser.add_argument("--seed", type=int, help="with --limit: a seeded random subset instead of the first rows")
     parser.add_argument(
         "--batch-size",
@@ -115,7 +137,8 @@ def _parser() -> argparse.ArgumentParser:
         help="the language model's query heads attend as rows of their shared key/value head instead of over a "
         "copy of the cache per query head (default: off, transformers' sdpa as the verifier runs it)",
     )
-    parser.add_argument("--out", type=Path, help="write the JSON report here")
+    parser.add_argument("--out", type=Path, nargs="+", metavar="REPORT",
+                        help="write each split's JSON report here: one path per split, in their order")  # fmt: skip
     return parser
 
 

@@ -1,7 +1,8 @@
-"""Score a saved model on a split the way the verifier does, with one process per GPU.
+"""Score a saved model on one split or several the way the verifier does, with one process per GPU.
 
 The inputs are checked before any weights are loaded; each worker loads the model on its own device, generates for
-its shard of the rows, and the completions are put back in the split's order before scoring.
+its shard of the rows (of every split at once), and the completions are put back in each split's order before
+scoring.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import datasets
 import torch
 import torch.multiprocessing
 from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
@@ -32,10 +34,23 @@ DEFAULT_GPU_BATCH_SIZE = 128
 DEFAULT_CPU_BATCH_SIZE = 4
 # The only architecture the verifier loads (`Qwen2VLForConditionalGeneration.from_pretrained`).
 MODEL_TYPE = "qwen2_vl"
+# The columns a completion is generated from (`protocol.build_messages`).
+GENERATED_FROM = ["image", "problem"]
 
 
 class ModelError(ValueError):
     """A model folder the verifier could not load as Qwen2-VL; the message names the folder."""
+
+
+class Split(NamedTuple):
+    """A split folder to score and which of its rows: all of them; `limit` of them (the first, or a seeded subset
+    with `seed`); or exactly the rows at `indices` (what a report's `per_row.index` names: the search re-checks a
+    promoted model on rows it was scored on)."""
+
+    data: str | Path
+    limit: int | None = None
+    seed: int | None = None
+    indices: Sequence[int] | None = None
 
 
 def evaluate(
@@ -45,6 +60,17 @@ def evaluate(
     limit: int | None = None,
     seed: int | None = None,
     indices: Sequence[int] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """The report of `model_dir` on the split folder `data` (see `report.build_report` for the scores); the rows as
+    `Split` picks them, `options` as `evaluate_splits` takes them."""
+    return evaluate_splits(model_dir, [Split(data, limit, seed, indices)], **options)[0]
+
+
+def evaluate_splits(
+    model_dir: str | Path,
+    splits: Sequence[Split],
+    *,
     batch_size: int | None = None,
     devices: list[str] | None = None,
     num_samples: int = 5,
@@ -54,27 +80,24 @@ def evaluate(
     batched_vision_attention: bool = False,
     folded_gqa_attention: bool = False,
     compiled_decode: bool = True,
-) -> dict[str, Any]:
-    """The report of `model_dir` on the split folder `data` (see `report.build_report` for the scores).
+) -> list[dict[str, Any]]:
+    """One report per split, in order, from one load of the model: the rows of every split are generated together,
+    in one run of length-sorted batches, so a second split costs neither a model load nor another compilation of the
+    decode step. Each report's `seconds` is the whole call's (`call_rows` rows of `call_splits`).
 
-    Rows: all of them; `limit` of them (the first, or a seeded subset with `seed`); or exactly the split's rows at
-    `indices` (what a report's `per_row.index` names: the search re-checks a promoted model on rows it was scored on).
     devices: None for every visible GPU (the CPU when there is none), else device names, one worker each; the same
     name may repeat (["cpu", "cpu"] runs two CPU workers). static_cache, compiled_decode: see
     `generate_completions`; ignored on a CPU. `max_new_tokens` other than 256 is not the verifier's protocol: it is
-    for quick checks, and the report records it. repeated_kv_cache, batched_vision_attention, folded_gqa_attention: see `load_model`; the repeated-KV
-    cache is a static cache's, and folded attention, which reads the ordinary cache in place, needs none.
+    for quick checks, and the report records it. repeated_kv_cache, batched_vision_attention, folded_gqa_attention:
+    see `load_model`; the repeated-KV cache is a static cache's, and folded attention, which reads the ordinary cache
+    in place, needs none.
     """
     start = time.perf_counter()
+    if not splits:
+        raise ValueError("evaluate_splits needs at least one split")
     model_dir = check_model_dir(model_dir)
-    split = load_split(data)
-    if indices is None:
-        indices = subset_indices(len(split), limit, seed)
-    elif limit is not None or not indices or not all(0 <= i < len(split) for i in indices):
-        raise DataError(f"{data}: indices must be non-empty row numbers below {len(split)}, without limit")
-    indices = [int(i) for i in indices]
-    rows = split if len(indices) == len(split) and indices == list(range(len(split))) else split.select(indices)
-    golds = validate_solutions(rows, source=str(data))
+    chosen = [_chosen_rows(split) for split in splits]  # every split is read and checked before any weights
+    rows = _together([split_rows for split_rows, _, _ in chosen])
     devices = _devices(devices)
     on_gpu = torch.device(devices[0]).type == "cuda"
     batch_size = batch_size or (DEFAULT_GPU_BATCH_SIZE if on_gpu else DEFAULT_CPU_BATCH_SIZE)
@@ -98,14 +121,13 @@ def evaluate(
     for shard, shard_completions in zip(shards, outputs):
         for index, completion in zip(shard, shard_completions):
             completions[index] = completion
-    report = build_report(list(rows["problem"]), golds, completions, num_samples=num_samples, indices=indices)
     seconds = time.perf_counter() - start
-    return {
-        **report,
+    settings = {
         "seconds": seconds,
         "examples_per_s": len(rows) / seconds,
+        "call_rows": len(rows),
+        "call_splits": [str(split.data) for split in splits],
         "model": str(model_dir),
-        "data": str(data),
         "devices": devices[: len(jobs)],
         "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
@@ -114,9 +136,40 @@ def evaluate(
         "repeated_kv_cache": repeated_kv_cache,
         "batched_vision_attention": batched_vision_attention,
         "folded_gqa_attention": folded_gqa_attention,
-        "limit": limit,
-        "seed": seed,
     }
+    reports, first = [], 0
+    for split, (split_rows, golds, indices) in zip(splits, chosen):
+        own = completions[first : first + len(split_rows)]
+        first += len(split_rows)
+        report = build_report(list(split_rows["problem"]), golds, own, num_samples=num_samples, indices=indices)
+        reports.append({**report, **settings, "data": str(split.data), "limit": split.limit, "seed": split.seed})
+    return reports
+
+
+def _chosen_rows(split: Split) -> tuple[Any, list[int], list[int]]:
+    """The split's chosen rows, their gold counts and their indices in the split; DataError for a bad folder, bad
+    solutions or bad indices."""
+    data, limit, seed, indices = split
+    whole = load_split(data)
+    if indices is None:
+        indices = subset_indices(len(whole), limit, seed)
+    elif limit is not None or not indices or not all(0 <= i < len(whole) for i in indices):
+        raise DataError(f"{data}: indices must be non-empty row numbers below {len(whole)}, without limit")
+    indices = [int(i) for i in indices]
+    rows = whole if len(indices) == len(whole) and indices == list(range(len(whole))) else whole.select(indices)
+    return rows, validate_solutions(rows, source=str(data)), indices
+
+
+def _together(splits_rows: list[Any]) -> Any:
+    """The rows of every split as one dataset, in order, with only what generation reads (image, problem). A split
+    whose column types differ from the first's (one folder's parquet may store its text as large_string, another's as
+    string) is cast to them in memory: a cast on disk would write next to the split, which may be read-only."""
+    if len(splits_rows) == 1:
+        return splits_rows[0]
+    columns = [rows.select_columns(GENERATED_FROM) for rows in splits_rows]
+    features = columns[0].features
+    same = [rows if rows.features == features else rows.cast(features, keep_in_memory=True) for rows in columns]
+    return datasets.concatenate_datasets(same)
 
 
 def check_model_dir(path: str | Path) -> Path:

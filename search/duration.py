@@ -79,18 +79,17 @@ class DurationModel:
         self,
         *,
         eval_rows: int,
-        eval_processes: int = 2,
         prior_scale: float = BOX_SLOWDOWN,
         min_step_fraction: float = 0.25,
     ):
-        """`eval_rows`: rows scored after each round (OOD plus val), `eval_processes`: evaluation processes per
-        round (each loads the model). A round shrunk below `min_step_fraction` of its sampled steps is not the
+        """`eval_rows`: rows scored after each round (OOD plus val, by one process that loads the model once). A
+        round shrunk below `min_step_fraction` of its sampled steps is not the
         configuration the sampler proposed any more (its schedule, its KL drift): `fit_steps` refuses it."""
         self._priors = {
             "setup": np.array([SETUP_S]),
             "train": np.array([DECODE_FULL_S, DECODE_LORA_S, TOKEN_S, INROUND_EVAL_ROW_S, COMPILE_S]),
             "save": np.array([SAVE_S]),
-            "eval": np.array([eval_processes * EVAL_LOAD_S + eval_rows * EVAL_ROW_S]),
+            "eval": np.array([EVAL_LOAD_S + eval_rows * EVAL_ROW_S]),
         }
         self._multipliers = {part: np.full(len(p), prior_scale) for part, p in self._priors.items()}
         # part -> [(terms, seconds, exact)]; not exact: a lower bound (the part was cut short by a kill)

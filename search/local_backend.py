@@ -103,26 +103,27 @@ class LocalBackend:
             base = [sys.executable, "-m", "trainer"]
         return [*base, "--config", str(config_path)]
 
-    def eval_commands(self, merged: Path, run_dir: Path) -> list[tuple[str, list[str]]]:
-        """(name, command) of the evaluations after training: all of OOD (or `ood_rows` of it), then the val
-        health check. Subsets are seeded with the study's seed, so every round is scored on the same rows."""
+    def eval_command(self, merged: Path, run_dir: Path) -> tuple[list[str], list[str]]:
+        """The evaluation after training, one process from one load of the model: all of OOD (or `ood_rows` of it),
+        then the val health check (`val_rows` of val, none when 0); and the names of the reports it writes
+        (`run_folder.eval_report`). Subsets are seeded with the study's seed, so every round is scored on the same
+        rows."""
         s = self.settings
-        common = ["--batch-size", str(s.eval_batch_size)] if s.eval_batch_size else []
-        if not s.eval_static_cache:
-            common.append("--dynamic-cache")
-        ood = [*self.evaluator_command, str(merged), s.ood_val_path, "--out", str(run_dir / eval_report("ood"))]
-        if s.ood_rows:
-            ood += ["--limit", str(s.ood_rows), "--seed", str(s.seed)]
-        commands = [("ood", ood + common)]
+        names, splits, limits = ["ood"], [s.ood_val_path], [str(s.ood_rows or "all")]
         if s.val_rows:
-            val = [*self.evaluator_command, str(merged), s.val_path, "--limit", str(s.val_rows), "--seed", str(s.seed)]
-            commands.append(("val", val + ["--out", str(run_dir / eval_report("val"))] + common))
-        return commands
+            names, splits, limits = [*names, "val"], [*splits, s.val_path], [*limits, str(s.val_rows)]
+        command = [*self.evaluator_command, str(merged), *splits, "--limit", *limits, "--seed", str(s.seed),
+                   "--out", *(str(run_dir / eval_report(name)) for name in names)]  # fmt: skip
+        if s.eval_batch_size:
+            command += ["--batch-size", str(s.eval_batch_size)]
+        if not s.eval_static_cache:
+            command.append("--dynamic-cache")
+        return command, names
 
 
 class LocalRound:
-    """One round's processes. `done()` advances it: training -> evaluation(s) -> done. Given `model_dir`, it only
-    scores that model: evaluation(s) -> done."""
+    """One round's processes. `done()` advances it: training -> evaluation -> done. Given `model_dir`, it only
+    scores that model: evaluation -> done."""
 
     def __init__(self, backend: LocalBackend, run_dir: Path, gpus: list[int], *, model_dir: Path | None = None):
         self._backend = backend
@@ -140,16 +141,14 @@ class LocalRound:
         self._failure: FailureKind | None = None
         self._status: Status | None = None
         self._reports: dict[str, dict] = {}
-        self._eval_seconds: float | None = None  # once every evaluation is over
-        self._eval_so_far = 0.0
+        self._eval_names: list[str] = []  # the reports the evaluation writes
+        self._eval_seconds: float | None = None  # once the evaluation is over
         self._eval_cut: float | None = None  # the evaluation's seconds when a kill cut it short
-        self._pending_evals: list[tuple[str, list[str]]] = []
-        self._current_eval: str | None = None
         self._train_seconds: float | None = None
         self._model_dir = model_dir or run_dir / MERGED_DIR
         if model_dir is not None:
             self._state = RoundState.COMPLETED
-            self._start_evaluations()
+            self._start_evaluation()
         else:
             command = backend.train_command(gpus, run_dir / TRIAL_FILE)
             self._proc, self._started = self._spawn(command, run_dir / TRAIN_LOG)
@@ -177,8 +176,7 @@ class LocalRound:
             self._train_seconds = seconds
             self._after_training(self._proc.returncode)
         else:
-            self._eval_so_far += seconds
-            self._after_evaluation(self._proc.returncode)
+            self._after_evaluation(self._proc.returncode, seconds)
         return self._phase == Phase.DONE
 
     def request_stop(self, *, evaluate: bool = True) -> None:
@@ -198,7 +196,7 @@ class LocalRound:
         _kill_group(self._proc.pid, signal.SIGKILL)
         self._proc.wait()
         if self._phase == Phase.EVALUATING:  # what it took so far: the DurationModel learns it is at least that slow
-            self._eval_cut = self._eval_so_far + time.monotonic() - self._started
+            self._eval_cut = time.monotonic() - self._started
         self._fail(f"killed while {self._phase}")
 
     def outcome(self) -> RoundOutcome:
@@ -248,33 +246,28 @@ class LocalRound:
             self._finish(status.state, status.reason)
         else:
             self._state, self._reason = status.state, status.reason
-            self._start_evaluations()
+            self._start_evaluation()
 
-    def _start_evaluations(self) -> None:
-        self._pending_evals = self._backend.eval_commands(self._model_dir, self.run_dir)
+    def _start_evaluation(self) -> None:
+        command, self._eval_names = self._backend.eval_command(self._model_dir, self.run_dir)
         self._phase = Phase.EVALUATING
-        self._next_evaluation()
-
-    def _after_evaluation(self, returncode: int) -> None:
-        name = self._current_eval
-        report = read_report(self.run_dir, name)
-        if returncode != 0 or report is None:
-            log = _last_line(self.run_dir / EVAL_LOG)
-            self._fail(f"the {name} evaluation failed with exit code {returncode} ({log})")
-            return
-        self._reports[name] = report
-        self._next_evaluation()
-
-    def _next_evaluation(self) -> None:
-        if not self._pending_evals:
-            self._eval_seconds = self._eval_so_far
-            self._finish(self._state, self._reason)
-            return
-        self._current_eval, command = self._pending_evals.pop(0)
         try:
             self._proc, self._started = self._spawn(command, self.run_dir / EVAL_LOG)
         except OSError as error:  # e.g. the evaluator's interpreter is missing: this round fails, the search goes on
-            self._fail(f"could not start the {self._current_eval} evaluation: {error}")
+            self._fail(f"could not start the evaluation: {error}")
+
+    def _after_evaluation(self, returncode: int, seconds: float) -> None:
+        if returncode != 0:
+            self._fail(f"the evaluation failed with exit code {returncode} ({_last_line(self.run_dir / EVAL_LOG)})")
+            return
+        reports = {name: read_report(self.run_dir, name) for name in self._eval_names}
+        missing = [name for name, report in reports.items() if report is None]
+        if missing:
+            self._fail(f"the evaluation wrote no {' or '.join(missing)} report ({_last_line(self.run_dir / EVAL_LOG)})")
+            return
+        self._reports = reports
+        self._eval_seconds = seconds
+        self._finish(self._state, self._reason)
 
     def _finish(self, state: RoundState, reason: str | None) -> None:
         self._state, self._reason, self._phase = state, reason, Phase.DONE

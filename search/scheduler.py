@@ -144,11 +144,7 @@ class Scheduler:
         self.final_check_result: tuple[bool, str] | None = None
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         eval_rows = (settings.ood_rows or OOD_ROWS_GUESS) + settings.val_rows
-        self.duration = DurationModel(
-            eval_rows=eval_rows,
-            eval_processes=1 + (settings.val_rows > 0),
-            prior_scale=settings.duration_prior_scale,
-        )
+        self.duration = DurationModel(eval_rows=eval_rows, prior_scale=settings.duration_prior_scale)
         if settings.gpus == 0:
             self._slots: list[list[int]] = [[]]
         else:

@@ -301,7 +301,7 @@ class SimulatedRound:
 
 def _true_parts(config: TrialConfig | None, settings) -> dict[str, float]:
     eval_rows = (settings.ood_rows or OOD_ROWS) + settings.val_rows
-    evaluation = (2 if settings.val_rows else 1) * TRUE_EVAL_LOAD_S + eval_rows * TRUE_EVAL_ROW_S
+    evaluation = TRUE_EVAL_LOAD_S + eval_rows * TRUE_EVAL_ROW_S  # one process scores ood and val
     if config is None:  # scoring only
         return {"setup": 0.0, "step": 0.0, "inround_eval": 0.0, "save": 0.0, "eval": evaluation}
     batch = config.prompts_per_step * config.num_generations * config.generation_steps

@@ -3,7 +3,7 @@
 Run as a program it is one of three things, with the command-line contracts of the real ones:
 
     python tests/faultkit.py trainer --config RUN_DIR/trial.json        # a stub GRPO round
-    python tests/faultkit.py evaluator MODEL DATA [...] --out REPORT    # a stub evaluation
+    python tests/faultkit.py evaluator MODEL DATA... --out REPORT...    # a stub evaluation
     python tests/faultkit.py search [run_search.py arguments]           # the real run_search.main, its LocalBackend
                                                                         # running the two stubs above
 
@@ -110,12 +110,19 @@ def _trainer(argv: list[str]) -> int:
 
 
 def _evaluator(argv: list[str]) -> int:
-    model, data, out = argv[0], argv[1], Path(argv[argv.index("--out") + 1])
+    model, splits, outs = argv[0], _values(argv, 0), _values(argv, argv.index("--out"))
     tag = json.loads(Path(model, "config.json").read_text()).get("tag", "?")
-    accuracy = stub_accuracy(tag, data)
-    report = {"accuracy_pct": accuracy, "n": 10, "correct": 1, "format_rate": 95.0, "mean_completion_tokens": 12.0}
-    out.write_text(json.dumps(report))
+    for data, out in zip(splits, outs):
+        accuracy = stub_accuracy(tag, data)
+        report = {"accuracy_pct": accuracy, "n": 10, "correct": 1, "format_rate": 95.0, "mean_completion_tokens": 12.0}
+        Path(out).write_text(json.dumps(report))
     return 0
+
+
+def _values(argv: list[str], at: int) -> list[str]:
+    """The arguments after argv[at] up to the next option: an option's values, or (at 0) the positionals."""
+    end = next((i for i in range(at + 1, len(argv)) if argv[i].startswith("--")), len(argv))
+    return argv[at + 1 : end]
 
 
 # ---------------------------------------------------------------------------------------------------------- search

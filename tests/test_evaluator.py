@@ -17,7 +17,7 @@ import pytest
 import torch
 from qwen_vl_utils import process_vision_info
 
-from evaluator import evaluate, vision_attention
+from evaluator import Split, evaluate, evaluate_splits, evaluation, vision_attention
 from evaluator.__main__ import _parser, main
 from evaluator.data import DataError, load_split, subset_indices, validate_solutions
 from evaluator.evaluation import load_model
@@ -27,7 +27,7 @@ from evaluator.repeated_kv_cache import use_repeated_kv_attention
 from evaluator.report import build_report
 from evaluator.text_attention import use_folded_gqa_attention
 from evaluator.vision_attention import use_batched_vision_attention
-from synthetic.splits import iter_scenes
+from synthetic.splits import iter_scenes, write_parquet_split
 
 REPO = Path(__file__).resolve().parents[1]
 # Written out here rather than imported: the verifier's prompt, one space after the question.
@@ -275,6 +275,51 @@ def test_per_row_answers_name_the_rows_of_the_split(tiny_model_dir: Path, tiny_s
             evaluate(tiny_model_dir, tiny_split_dir, indices=bad, devices=["cpu"])
 
 
+@pytest.fixture(scope="module")
+def lively_model_dir(lively_model: Any, processor: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("lively_model")
+    lively_model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def test_splits_scored_together_get_the_answers_each_gets_alone(
+    lively_model_dir: Path, tiny_split_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two splits from one load of the model, their rows batched together: each report is what scoring its split
+    alone gives. The second split stores its text as large_string, so its rows are cast to the first's column types
+    to go together, in memory: nothing is written into either split's folder."""
+    import datasets
+
+    parquet = write_parquet_split(tmp_path / "parquet", "other", 5, seed=4, image_size=(84, 56), count_range=(1, 3))
+    other = tmp_path / "other"
+    load_split(parquet).cast_column("problem", datasets.Value("large_string")).save_to_disk(str(other))
+    assert load_split(other).features["problem"] != load_split(tiny_split_dir).features["problem"]
+    files = {folder: sorted(folder.rglob("*")) for folder in (tiny_split_dir, other)}
+    loads = []
+    real_load = evaluation.load_model
+    monkeypatch.setattr(evaluation, "load_model",
+                        lambda *args, **kwargs: loads.append(args) or real_load(*args, **kwargs))  # fmt: skip
+    options = {"batch_size": 3, "devices": ["cpu"], "max_new_tokens": SHORT, "num_samples": 8}
+    together = evaluate_splits(lively_model_dir, [Split(tiny_split_dir, limit=6, seed=1), Split(other)], **options)
+    assert len(loads) == 1
+    alone = [evaluate(lively_model_dir, tiny_split_dir, limit=6, seed=1, **options),
+             evaluate(lively_model_dir, other, **options)]  # fmt: skip
+    completions = [sample["completion"] for report in together for sample in report["samples"]]
+    assert len(completions) == 11 and len(set(completions)) > 1, "the model must answer differently to some rows"
+    for report, expected in zip(together, alone):
+        for key in ("n", "correct", "accuracy_pct", "format_rate", "mean_completion_tokens", "accuracy_by_count",
+                    "samples", "per_row", "data", "limit", "seed"):  # fmt: skip
+            assert report[key] == expected[key], key
+        assert report["call_rows"] == 11 and report["call_splits"] == [str(tiny_split_dir), str(other)]
+        assert report["examples_per_s"] == pytest.approx(11 / report["seconds"])
+    assert together[0]["seconds"] == together[1]["seconds"]
+    assert {folder: sorted(folder.rglob("*")) for folder in files} == files
+    with pytest.raises(DataError, match="no such folder"):  # every split is read before the model loads
+        evaluate_splits(lively_model_dir, [Split(tiny_split_dir), Split(tmp_path / "absent")], **options)
+    assert len(loads) == 3
+
+
 def test_two_worker_processes_give_the_same_completions_as_one(tiny_model_dir: Path, tiny_split_dir: Path) -> None:
     kwargs = {"limit": 5, "seed": 3, "batch_size": 2, "num_samples": 5, "max_new_tokens": SHORT}
     one = evaluate(tiny_model_dir, tiny_split_dir, devices=["cpu"], **kwargs)
@@ -284,15 +329,50 @@ def test_two_worker_processes_give_the_same_completions_as_one(tiny_model_dir: P
     assert two["mean_completion_tokens"] == one["mean_completion_tokens"]
 
 
-def test_the_command_line_writes_the_report(tiny_model_dir: Path, tiny_split_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "runs" / "report.json"
-    command = [sys.executable, "-m", "evaluator", str(tiny_model_dir), str(tiny_split_dir), "--limit", "2",
-               "--batch-size", "2", "--out", str(out)]
+def test_the_command_line_writes_a_report_per_split(tiny_model_dir: Path, tiny_split_dir: Path, tmp_path: Path) -> None:
+    outs = [tmp_path / "runs" / "first.json", tmp_path / "runs" / "second.json"]
+    command = [sys.executable, "-m", "evaluator", str(tiny_model_dir), str(tiny_split_dir), str(tiny_split_dir),
+               "--limit", "2", "1", "--batch-size", "2", "--out", *map(str, outs)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    report = json.loads(out.read_text())
-    assert report["n"] == 2 and report["max_new_tokens"] == 256  # the command line runs the protocol as it is
-    assert f"accuracy {report['accuracy_pct']:.2f}%" in done.stdout
+    reports = [json.loads(out.read_text()) for out in outs]
+    assert [report["n"] for report in reports] == [2, 1] and [report["limit"] for report in reports] == [2, 1]
+    assert all(report["max_new_tokens"] == 256 for report in reports)  # the command line runs the protocol as it is
+    assert reports[0]["call_rows"] == 3 and reports[0]["seconds"] == reports[1]["seconds"]  # one call scored both
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2
+    for line, report in zip(lines, reports):
+        assert line.startswith(f"{tiny_split_dir}: accuracy {report['accuracy_pct']:.2f}%")
+
+
+def test_the_command_line_gives_each_split_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    passed = []
+    monkeypatch.setattr("evaluator.__main__.evaluate_splits",
+                        lambda model, splits, **kwargs: passed.append(splits) or [])  # fmt: skip
+    assert main(["m", "a", "b", "--limit", "all", "5", "--seed", "7"]) == 0
+    assert passed.pop() == [Split(Path("a"), None, 7), Split(Path("b"), 5, 7)]
+    assert main(["m", "a", "b", "--limit", "3"]) == 0  # one value: every split
+    assert passed.pop() == [Split(Path("a"), 3, None), Split(Path("b"), 3, None)]
+    assert main(["m", "a"]) == 0
+    assert passed.pop() == [Split(Path("a"), None, None)]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--limit", "1", "2", "3"], "--limit: one value, or one per split (2), got 3"),
+        (["--out", "one.json"], "--out: one path per split (2), got 1"),
+        (["--limit", "none"], "--limit: must be a positive integer or 'all', got 'none'"),
+        (["--limit", "0"], "must be a positive integer, got 0"),
+    ],
+)
+def test_the_command_line_refuses_limits_and_reports_that_do_not_match_the_splits(
+    arguments: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("evaluator.__main__.evaluate_splits", lambda *args, **kwargs: pytest.fail("it scored"))
+    with pytest.raises(SystemExit) as exited:
+        main(["m", "a", "b", *arguments])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -304,8 +384,7 @@ def test_the_command_line_turns_an_attention_option_on_and_off(
 ) -> None:
     assert getattr(_parser().parse_args(["m", "d"]), option) is default
     passed = []
-    monkeypatch.setattr("evaluator.__main__.evaluate", lambda *args, **kwargs: passed.append(kwargs) or {})
-    monkeypatch.setattr("evaluator.__main__.summary", lambda report: "")
+    monkeypatch.setattr("evaluator.__main__.evaluate_splits", lambda *args, **kwargs: passed.append(kwargs) or [])
     flag = "--" + option.replace("_", "-")
     for argument, value in ((flag, True), (flag.replace("--", "--no-", 1), False)):
         assert main(["m", "d", argument]) == 0

@@ -26,7 +26,7 @@ from faultkit import alive
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# `python stub.py trainer --config RUN_DIR/trial.json` / `python stub.py evaluator MODEL DATA [...] --out REPORT`;
+# `python stub.py trainer --config RUN_DIR/trial.json` / `python stub.py evaluator MODEL DATA... --out REPORT...`;
 # STUB_MODE (inherited through the environment) picks the behaviour.
 STUB = r'''
 import json, os, signal, subprocess, sys, time
@@ -34,12 +34,19 @@ from pathlib import Path
 
 role, mode = sys.argv[1], os.environ.get("STUB_MODE", "ok")
 if role == "evaluator":
-    data, out = sys.argv[3], Path(sys.argv[sys.argv.index("--out") + 1])
+    options = [i for i, arg in enumerate(sys.argv) if arg.startswith("--")]
+    splits = sys.argv[3 : options[0]]
+    outs = sys.argv[sys.argv.index("--out") + 1 :][: len(splits)]
     if mode == "eval_fails":
         sys.exit("evaluator: the model folder does not load")
-    accuracy = 61.5 if "ood" in Path(data).name else 80.0
-    report = {"accuracy_pct": accuracy, "n": 10, "format_rate": 95.0, "mean_completion_tokens": 12.0, "argv": sys.argv}
-    out.write_text(json.dumps(report))
+    if mode == "eval_writes_ood_only":
+        print("the val split vanished")
+        outs = outs[:1]
+    for data, out in zip(splits, outs):
+        accuracy = 61.5 if "ood" in Path(data).name else 80.0
+        report = {"accuracy_pct": accuracy, "n": 10, "format_rate": 95.0, "mean_completion_tokens": 12.0,
+                  "argv": sys.argv, "pid": os.getpid()}
+        Path(out).write_text(json.dumps(report))
     sys.exit(0)
 
 config = json.loads(Path(sys.argv[sys.argv.index("--config") + 1]).read_text())
@@ -60,7 +67,7 @@ def finish(state, steps, reason=None, model=True, code=0, **kind):
     (out / "status.json").write_text(json.dumps(status))
     sys.exit(code)
 
-if mode in ("ok", "eval_fails"):
+if mode in ("ok", "eval_fails", "eval_writes_ood_only"):
     for step in (1, 2, 3):
         line(step, **({"ood_accuracy": 52.0} if step == 2 else {}))
     finish("completed", 3)
@@ -142,11 +149,14 @@ def test_a_round_trains_then_is_scored_on_ood_and_val(backend, tmp_path, monkeyp
     assert outcome.merged_dir == str(run_dir / "merged")
     assert set(outcome.timings) == {"setup", "train", "save", "eval"} and outcome.timings["eval"] > 0
     assert json.loads((run_dir / "env.json").read_text())["cuda"] == "1"
-    val_argv = json.loads((run_dir / "val_eval.json").read_text())["argv"]
-    assert val_argv[val_argv.index("--limit") + 1] == "5" and val_argv[val_argv.index("--seed") + 1] == "7"
-    ood_argv = json.loads((run_dir / "ood_eval.json").read_text())["argv"]
-    assert "--limit" not in ood_argv  # ood_rows null: all of ood_val
-    assert "--dynamic-cache" not in ood_argv + val_argv  # budget.yaml: the static cache
+    ood, val = (json.loads((run_dir / f"{name}_eval.json").read_text()) for name in ("ood", "val"))
+    assert ood["pid"] == val["pid"]  # one evaluation process scored both splits
+    argv = ood["argv"]
+    assert argv[3:5] == [str(tmp_path / "ood_val"), str(tmp_path / "val")]
+    # ood_rows null: all of ood_val; val_rows 5 of val, seeded with the study's seed
+    assert argv[argv.index("--limit") + 1 :][:2] == ["all", "5"] and argv[argv.index("--seed") + 1] == "7"
+    assert argv[argv.index("--out") + 1 :][:2] == [str(run_dir / "ood_eval.json"), str(run_dir / "val_eval.json")]
+    assert "--dynamic-cache" not in argv  # budget.yaml: the static cache
     assert (run_dir / "train.log").exists() and (run_dir / "eval.log").exists()
 
 
@@ -223,7 +233,8 @@ def test_kill_ends_the_whole_process_group(backend, tmp_path, monkeypatch):
         ("failed", "CUDA out of memory while loading the model"),
         ("crash", "the trainer exited with code 3: RuntimeError: boom"),
         ("no_model", "the trainer reported completed but wrote no model to"),
-        ("eval_fails", "the ood evaluation failed with exit code 1 (evaluator: the model folder does not load)"),
+        ("eval_fails", "the evaluation failed with exit code 1 (evaluator: the model folder does not load)"),
+        ("eval_writes_ood_only", "the evaluation wrote no val report (the val split vanished)"),
     ],
 )
 def test_failures_carry_their_reason(backend, tmp_path, monkeypatch, mode, reason):
@@ -317,12 +328,19 @@ def test_a_real_round_end_to_end_on_the_tiny_model(tmp_path, tiny_model_dir, mon
     assert json.loads((tmp_path / "round" / "val_eval.json").read_text())["n"] == 2
 
 
-def test_eval_static_cache_false_decodes_every_evaluation_with_the_dynamic_cache(tmp_path):
+def test_eval_static_cache_false_decodes_the_evaluation_with_the_dynamic_cache(tmp_path):
     backend = LocalBackend(make_settings(tmp_path, eval_static_cache=False, eval_batch_size=8))
-    commands = dict(backend.eval_commands(tmp_path / "merged", tmp_path / "round"))
-    assert set(commands) == {"ood", "val"}
-    for argv in commands.values():
-        assert "--dynamic-cache" in argv and argv[argv.index("--batch-size") + 1] == "8"
+    argv, names = backend.eval_command(tmp_path / "merged", tmp_path / "round")
+    assert names == ["ood", "val"]
+    assert "--dynamic-cache" in argv and argv[argv.index("--batch-size") + 1] == "8"
+
+
+def test_without_val_rows_the_evaluation_scores_ood_alone(tmp_path):
+    backend = LocalBackend(make_settings(tmp_path, val_rows=0, ood_rows=300))
+    argv, names = backend.eval_command(tmp_path / "merged", tmp_path / "round")
+    assert names == ["ood"] and str(tmp_path / "val") not in argv
+    assert argv[argv.index("--limit") + 1 :][:2] == ["300", "--seed"]
+    assert argv[argv.index("--out") + 1 :] == [str(tmp_path / "round" / "ood_eval.json")]
 
 
 def test_rounds_side_by_side_share_out_the_cores(tmp_path, monkeypatch):
