@@ -83,8 +83,8 @@ class DurationModel:
         min_step_fraction: float = 0.25,
     ):
         """`eval_rows`: rows scored after each round (OOD plus val, by one process that loads the model once). A
-        round shrunk below `min_step_fraction` of its sampled steps is not the
-        configuration the sampler proposed any more (its schedule, its KL drift): `fit_steps` refuses it."""
+        round shrunk below `min_step_fraction` of its sampled steps is not the configuration the sampler proposed any
+        more (its schedule, its KL drift): `fit_steps` refuses it."""
         self._priors = {
             "setup": np.array([SETUP_S]),
             "train": np.array([DECODE_FULL_S, DECODE_LORA_S, TOKEN_S, INROUND_EVAL_ROW_S, COMPILE_S]),
