@@ -122,7 +122,7 @@ def evaluate_splits(
         for index, completion in zip(shard, shard_completions):
             completions[index] = completion
     seconds = time.perf_counter() - start
-    settings = {
+    shared = {  # every report of the call
         "seconds": seconds,
         "examples_per_s": len(rows) / seconds,
         "call_rows": len(rows),
@@ -142,7 +142,7 @@ def evaluate_splits(
         own = completions[first : first + len(split_rows)]
         first += len(split_rows)
         report = build_report(list(split_rows["problem"]), golds, own, num_samples=num_samples, indices=indices)
-        reports.append({**report, **settings, "data": str(split.data), "limit": split.limit, "seed": split.seed})
+        reports.append({**report, **shared, "data": str(split.data), "limit": split.limit, "seed": split.seed})
     return reports
 
 

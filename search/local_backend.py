@@ -257,13 +257,11 @@ class LocalRound:
             self._fail(f"could not start the evaluation: {error}")
 
     def _after_evaluation(self, returncode: int, seconds: float) -> None:
-        if returncode != 0:
-            self._fail(f"the evaluation failed with exit code {returncode} ({_last_line(self.run_dir / EVAL_LOG)})")
-            return
         reports = {name: read_report(self.run_dir, name) for name in self._eval_names}
         missing = [name for name, report in reports.items() if report is None]
-        if missing:
-            self._fail(f"the evaluation wrote no {' or '.join(missing)} report ({_last_line(self.run_dir / EVAL_LOG)})")
+        if returncode != 0 or missing:
+            what = f"failed with exit code {returncode}" if returncode else f"wrote no {' or '.join(missing)} report"
+            self._fail(f"the evaluation {what} ({_last_line(self.run_dir / EVAL_LOG)})")
             return
         self._reports = reports
         self._eval_seconds = seconds
