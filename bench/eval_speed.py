@@ -64,6 +64,9 @@ END_TO_END_VARIANTS: dict[str, dict[str, Any]] = {
     # dynamo's traced bytecode and guards saved to disk and loaded by the next process (torch's experimental
     # caching precompile): the first run saves, the second is the figure.
     "dynamo_precompile": {"environment": {"TORCH_CACHING_PRECOMPILE": "1"}, "runs": 2},
+    # The process as the search starts a round's evaluator: beside the trainer, with --wait-for-input; timed from the
+    # line that tells it to go, its imports and the reading of the split done by then.
+    "started_ahead": {"arguments": ["--wait-for-input"], "started_ahead": True},
 }
 
 
@@ -135,6 +138,8 @@ def _end_to_end(model_dir: Path, split_dir: Path, inductor_cache: str, batch_siz
     """`python -m evaluator` on every row of the split in a fresh process, with `options` (`evaluate`'s flags) and
     the arguments and environment of `END_TO_END_VARIANTS[variant]`. `exit_seconds`: from the report's appearance on
     disk to the process's end; `answers`: the report's, row by row."""
+    from bench.round_evaluation import start_waiting
+
     changes = END_TO_END_VARIANTS[variant] if variant else {}
     with tempfile.TemporaryDirectory() as scratch:
         report_path = Path(scratch) / "report.json"
@@ -142,8 +147,14 @@ def _end_to_end(model_dir: Path, split_dir: Path, inductor_cache: str, batch_siz
                    "--out", str(report_path), *changes.get("arguments", ())]  # fmt: skip
         command += [f"--{'' if on else 'no-'}{name.replace('_', '-')}" for name, on in options.items()]
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_cache, **changes.get("environment", {})}
-        start = time.perf_counter()
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+        if changes.get("started_ahead"):  # the clock starts at the go line
+            process = start_waiting(command, env, Path(scratch) / "stderr.log")
+            start = time.perf_counter()
+            process.stdin.write("go\n")
+            process.stdin.close()
+        else:
+            start = time.perf_counter()
+            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
         written = None
         while process.poll() is None:
             if written is None and report_path.exists():  # written whole under a temporary name, then renamed

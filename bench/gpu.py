@@ -10,9 +10,11 @@ one results file with the headline ratios:
 - eval_1k: 1,000 examples end to end in a fresh process (`eval_1k_seconds`, with a warm inductor cache, as in every
   evaluation of a search after its first; the cold run that warms it is in the raw figures), with the evaluator's
   defaults at the batch size eval found fastest when its figures are in --out, else at --e2e-batch-size; then warm
-  with each of --eval-1k-variants (eval_speed.END_TO_END_VARIANTS: another compile pool or cache);
+  with each of --eval-1k-variants (eval_speed.END_TO_END_VARIANTS: another compile pool or cache; started_ahead, the
+  process as the search starts it, timed from its go line: `eval_1k_seconds_started_ahead`);
 - round_eval (bench/round_evaluation.py): a round's evaluation as budget.yaml sets it (--eval-rows of ood_val, then
-  its val_rows of a val split, its eval_batch_size and seed) in one evaluator process against one per split, warm;
+  its val_rows of a val split, its eval_batch_size and seed) in one evaluator process against one per split, warm,
+  and the one process started ahead as the search starts it (`round_eval_ahead_saved_s`);
 - decode_profile: one batch of --e2e-batch-size rows, prefill against decode steps and where the time goes;
 - grpo (bench/grpo_speed.py): completions/s of this project's trainer against TRL's defaults, full fine-tuning and
   LoRA r=64, group size 8 (`grpo_full_speedup`, `lora_vs_full`), peak memory of each;
@@ -210,11 +212,15 @@ def _headline(results: dict[str, Any]) -> dict[str, Any]:
     if "defaults_speedup" in results.get("eval", {}):
         headline["eval_speedup"] = results["eval"]["defaults_speedup"]
         headline["eval_speedup_with_options"] = results["eval"]["speedup"]
-    if "end_to_end_warm" in results.get("eval_1k", {}):
-        warm = results["eval_1k"]["end_to_end_warm"]
-        headline["eval_1k_seconds"] = warm["seconds"] * 1000 / warm["n"]
+    for run, name in (("end_to_end_warm", "eval_1k_seconds"), ("end_to_end_warm_started_ahead",
+                                                                 "eval_1k_seconds_started_ahead")):
+        if run in results.get("eval_1k", {}):
+            warm = results["eval_1k"][run]
+            headline[name] = warm["seconds"] * 1000 / warm["n"]
     if "together_speedup" in results.get("round_eval", {}):
         headline["round_eval_saved_s"] = results["round_eval"]["saved_s"]
+    if "ahead_saved_s" in results.get("round_eval", {}):
+        headline["round_eval_ahead_saved_s"] = results["round_eval"]["ahead_saved_s"]
     if "grpo" in results:
         if "speedup" in results["grpo"].get("full", {}):
             headline["grpo_full_speedup"] = results["grpo"]["full"]["speedup"]

@@ -1,10 +1,15 @@
 """`python -m evaluator MODEL_DIR DATA_DIR [DATA_DIR ...] [--limit N|all ...] [--seed S] [--batch-size B]
-[--out REPORT ...]`.
+[--out REPORT ...] [--wait-for-input]`.
 
 Scores the model on each split, all of them from one load of the model (`evaluation.evaluate_splits`). Prints a
 one-line summary per split and writes each split's JSON report with --out. Bad input (a missing or malformed split,
 a folder that is not a Qwen2-VL model, a count of --limit or --out values that does not match the splits) is an error
 message on stderr and exit code 2, before any weights are loaded.
+
+With --wait-for-input the process can be started before its model exists: it imports its libraries and reads the
+splits, prints `READY_LINE` on stderr, and waits for a line on its standard input before it reads the model folder.
+The search starts each round's evaluator so while the round trains: the imports (~11-15 s on a GPU machine) are done
+by the time the model is. Standard input ending without a line: exit code 3, nothing scored.
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ from evaluator.evaluation import DEFAULT_CPU_BATCH_SIZE, DEFAULT_GPU_BATCH_SIZE,
 from evaluator.process_exit import exit_now
 
 EXIT_BAD_INPUT = 2
+EXIT_NOT_ASKED = 3
+READY_LINE = "evaluator: the splits are read; waiting for a line on standard input to load the model"
+
+
+class NotAsked(Exception):
+    """Standard input ended before the line that starts the evaluation (--wait-for-input)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,15 +58,25 @@ def main(argv: list[str] | None = None) -> int:
             repeated_kv_cache=args.repeated_kv_cache,
             batched_vision_attention=args.batched_vision_attention,
             folded_gqa_attention=args.folded_gqa_attention,
+            wait_for_model=_wait_for_a_line if args.wait_for_input else None,
         )
     except (DataError, ModelError) as error:
         print(f"evaluator: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except NotAsked:
+        print("evaluator: standard input ended before a line asked for the evaluation; nothing scored", file=sys.stderr)
+        return EXIT_NOT_ASKED
     for report, out in zip(reports, args.out or [None] * splits):
         if out is not None:
             write_report(report, out)
         print(summary(report) if splits == 1 else f"{report['data']}: {summary(report)}")
     return 0
+
+
+def _wait_for_a_line() -> None:
+    print(READY_LINE, file=sys.stderr, flush=True)
+    if not sys.stdin.readline():
+        raise NotAsked
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -139,6 +160,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", type=Path, nargs="+", metavar="REPORT",
                         help="write each split's JSON report here: one path per split, in their order")  # fmt: skip
+    parser.add_argument("--wait-for-input", action="store_true",
+                        help="read the splits, then wait for a line on standard input before reading the model "
+                        "folder, which may not exist until then (exit code 3 if the input ends first)")  # fmt: skip
     return parser
 
 

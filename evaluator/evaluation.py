@@ -11,7 +11,7 @@ import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -80,10 +80,14 @@ def evaluate_splits(
     batched_vision_attention: bool = False,
     folded_gqa_attention: bool = False,
     compiled_decode: bool = True,
+    wait_for_model: Callable[[], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One report per split, in order, from one load of the model: the rows of every split are generated together,
     in one run of length-sorted batches, so a second split costs neither a model load nor another compilation of the
     decode step. Each report's `seconds` is the whole call's (`call_rows` rows of `call_splits`).
+
+    wait_for_model: called once every split is read and checked, before the model folder is looked at; it may block
+    until the model is written (`python -m evaluator --wait-for-input`), and `seconds` then start when it returns.
 
     devices: None for every visible GPU (the CPU when there is none), else device names, one worker each; the same
     name may repeat (["cpu", "cpu"] runs two CPU workers). static_cache, compiled_decode: see
@@ -95,9 +99,12 @@ def evaluate_splits(
     start = time.perf_counter()
     if not splits:
         raise ValueError("evaluate_splits needs at least one split")
-    model_dir = check_model_dir(model_dir)
     chosen = [_chosen_rows(split) for split in splits]  # every split is read and checked before any weights
     rows = _together([split_rows for split_rows, _, _ in chosen])
+    if wait_for_model is not None:
+        wait_for_model()
+        start = time.perf_counter()
+    model_dir = check_model_dir(model_dir)
     devices = _devices(devices)
     on_gpu = torch.device(devices[0]).type == "cuda"
     batch_size = batch_size or (DEFAULT_GPU_BATCH_SIZE if on_gpu else DEFAULT_CPU_BATCH_SIZE)

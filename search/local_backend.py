@@ -3,6 +3,10 @@
 round's GPUs, so rounds side by side never share a GPU and a kill reaches every child (accelerate's workers,
 dataloader workers). Nothing blocks except `kill`, which waits at most `kill_grace_s` for the trainer to exit on
 SIGTERM.
+
+A round's evaluator starts with its trainer (`python -m evaluator --wait-for-input`): it imports and reads the
+splits on the CPU while the round trains, touching no GPU, and loads the model once the trainer has saved it and a
+line on its standard input says so. A round that ends without an evaluation kills it.
 """
 
 from __future__ import annotations
@@ -103,11 +107,11 @@ class LocalBackend:
             base = [sys.executable, "-m", "trainer"]
         return [*base, "--config", str(config_path)]
 
-    def eval_command(self, merged: Path, run_dir: Path) -> tuple[list[str], list[str]]:
+    def eval_command(self, merged: Path, run_dir: Path, *, wait_for_input: bool = False) -> tuple[list[str], list[str]]:
         """The evaluation after training, one process from one load of the model: all of OOD (or `ood_rows` of it),
         then the val health check (`val_rows` of val, none when 0); and the names of the reports it writes
         (`run_folder.eval_report`). Subsets are seeded with the study's seed, so every round is scored on the same
-        rows."""
+        rows. `wait_for_input`: the process waits for a line on its standard input before it reads `merged`."""
         s = self.settings
         names, splits, limits = ["ood"], [s.ood_val_path], [str(s.ood_rows or "all")]
         if s.val_rows:
@@ -118,6 +122,8 @@ class LocalBackend:
             command += ["--batch-size", str(s.eval_batch_size)]
         if not s.eval_static_cache:
             command.append("--dynamic-cache")
+        if wait_for_input:
+            command.append("--wait-for-input")
         return command, names
 
 
@@ -142,6 +148,7 @@ class LocalRound:
         self._status: Status | None = None
         self._reports: dict[str, dict] = {}
         self._eval_names: list[str] = []  # the reports the evaluation writes
+        self._evaluator_waiting: subprocess.Popen | None = None  # started with the trainer, until it is told to go
         self._eval_seconds: float | None = None  # once the evaluation is over
         self._eval_cut: float | None = None  # the evaluation's seconds when a kill cut it short
         self._train_seconds: float | None = None
@@ -152,6 +159,7 @@ class LocalRound:
         else:
             command = backend.train_command(gpus, run_dir / TRIAL_FILE)
             self._proc, self._started = self._spawn(command, run_dir / TRAIN_LOG)
+            self._start_evaluator_ahead()
 
     # ------------------------------------------------------------------ RoundHandle
     def progress(self) -> list[dict]:
@@ -218,10 +226,10 @@ class LocalRound:
         )
 
     # ------------------------------------------------------------------ the round's course
-    def _spawn(self, command: list[str], log: Path) -> tuple[subprocess.Popen, float]:
+    def _spawn(self, command: list[str], log: Path, stdin: int = subprocess.DEVNULL) -> tuple[subprocess.Popen, float]:
         with log.open("ab") as out:
             proc = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                command, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
                 env=self._env, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
             )  # fmt: skip
         _record_process(self.run_dir, proc.pid)
@@ -248,13 +256,41 @@ class LocalRound:
             self._state, self._reason = status.state, status.reason
             self._start_evaluation()
 
+    def _start_evaluator_ahead(self) -> None:
+        command, self._eval_names = self._backend.eval_command(self._model_dir, self.run_dir, wait_for_input=True)
+        try:
+            self._evaluator_waiting, _ = self._spawn(command, self.run_dir / EVAL_LOG, stdin=subprocess.PIPE)
+        except OSError:  # started again once the model is saved, where its failure fails the round
+            self._evaluator_waiting = None
+
     def _start_evaluation(self) -> None:
-        command, self._eval_names = self._backend.eval_command(self._model_dir, self.run_dir)
         self._phase = Phase.EVALUATING
+        waiting, self._evaluator_waiting = self._evaluator_waiting, None
+        if waiting is not None:
+            try:
+                waiting.stdin.write(b"go\n")
+                waiting.stdin.close()
+            except OSError:  # it has ended already (a broken pipe): its exit code and log say why at the next poll
+                pass
+            self._proc, self._started = waiting, time.monotonic()
+            return
+        command, self._eval_names = self._backend.eval_command(self._model_dir, self.run_dir)
         try:
             self._proc, self._started = self._spawn(command, self.run_dir / EVAL_LOG)
         except OSError as error:  # e.g. the evaluator's interpreter is missing: this round fails, the search goes on
             self._fail(f"could not start the evaluation: {error}")
+
+    def _drop_waiting_evaluator(self) -> None:
+        """Kill and reap the evaluator started with the trainer, when the round ends without telling it to go."""
+        waiting, self._evaluator_waiting = self._evaluator_waiting, None
+        if waiting is None:
+            return
+        _kill_group(waiting.pid, signal.SIGKILL)
+        waiting.wait()
+        try:
+            waiting.stdin.close()
+        except OSError:
+            pass
 
     def _after_evaluation(self, returncode: int, seconds: float) -> None:
         reports = {name: read_report(self.run_dir, name) for name in self._eval_names}
@@ -268,6 +304,7 @@ class LocalRound:
         self._finish(self._state, self._reason)
 
     def _finish(self, state: RoundState, reason: str | None) -> None:
+        self._drop_waiting_evaluator()
         self._state, self._reason, self._phase = state, reason, Phase.DONE
 
     def _fail(self, reason: str, kind: FailureKind = FailureKind.ERROR) -> None:
@@ -362,13 +399,14 @@ def _record_process(run_dir: Path, pid: int) -> None:
 
 
 def reap_processes(run_dir: Path) -> list[int]:
-    """SIGKILL every process group `run_dir/processes.jsonl` lists from this host, unless its id was reused: a
-    group id stays taken while any member lives, so a listed id is still the round's own group when its leader is
-    gone or is the process that was recorded (same start time)."""
+    """SIGKILL every process group `run_dir/processes.jsonl` lists from this host that still has a running member,
+    unless its id was reused: a group id stays taken while any member lives, so a listed id is still the round's own
+    group when its leader is gone or is the process that was recorded (same start time)."""
     try:
         lines = (run_dir / PROCESSES_FILE).read_text().splitlines()
     except OSError:
         return []
+    running = _running_groups()
     killed = []
     for raw in lines:
         try:
@@ -378,6 +416,8 @@ def reap_processes(run_dir: Path) -> list[int]:
             continue  # a torn line: its process was the last one spawned, and the scheduler died with it
         if host != socket.gethostname() or pgid <= 1 or pgid == os.getpgrp():  # never the scheduler's own group
             continue
+        if running is not None and pgid not in running:
+            continue  # nothing left to kill: gone, or zombies that a container's first process never reaps
         now = _start_time(pgid)
         if now is not None and start is not None and now != start:
             continue  # the id belongs to another process now
@@ -387,6 +427,24 @@ def reap_processes(run_dir: Path) -> list[int]:
             continue
         killed.append(pgid)
     return killed
+
+
+def _running_groups() -> set[int] | None:
+    """The process group ids with at least one member that is not a zombie (/proc/PID/stat: state, then ppid, then
+    pgrp after the command's closing parenthesis); None where /proc cannot be read."""
+    groups = set()
+    try:
+        entries = [entry for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            state, _, pgrp = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # ended while the folder was read
+        if state not in ("Z", "X"):
+            groups.add(int(pgrp))
+    return groups
 
 
 def _kill_group(pgid: int, sig: signal.Signals) -> None:

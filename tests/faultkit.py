@@ -3,7 +3,7 @@
 Run as a program it is one of three things, with the command-line contracts of the real ones:
 
     python tests/faultkit.py trainer --config RUN_DIR/trial.json        # a stub GRPO round
-    python tests/faultkit.py evaluator MODEL DATA... --out REPORT...    # a stub evaluation
+    python tests/faultkit.py evaluator MODEL DATA... --out REPORT...    # a stub evaluation (--wait-for-input too)
     python tests/faultkit.py search [run_search.py arguments]           # the real run_search.main, its LocalBackend
                                                                         # running the two stubs above
 
@@ -110,6 +110,8 @@ def _trainer(argv: list[str]) -> int:
 
 
 def _evaluator(argv: list[str]) -> int:
+    if "--wait-for-input" in argv and not sys.stdin.readline():  # started with the trainer: wait for its model
+        return 3
     model, splits, outs = argv[0], _values(argv, 0), _values(argv, argv.index("--out"))
     tag = json.loads(Path(model, "config.json").read_text()).get("tag", "?")
     for data, out in zip(splits, outs):

@@ -20,6 +20,19 @@ def test_an_end_to_end_run_times_the_process_and_its_exit_with_the_variants_argu
     assert run["examples_per_s"] == 3 / run["seconds"]
 
 
+def test_the_started_ahead_variant_is_timed_from_its_go_line(tiny_model_dir, tiny_split_dir, tmp_path, monkeypatch):
+    from bench import round_evaluation
+
+    started = []
+    real_start = round_evaluation.start_waiting
+    monkeypatch.setattr(round_evaluation, "start_waiting",
+                        lambda command, env, stderr: started.append(command) or real_start(command, env, stderr))
+    run = eval_speed._end_to_end(tiny_model_dir, tiny_split_dir, str(tmp_path / "inductor"), batch_size=4,
+                                 variant="started_ahead")  # fmt: skip
+    assert len(started) == 1 and started[0][-1] == "--wait-for-input"
+    assert run["n"] == 8 and run["variant"] == "started_ahead" and 0 < run["inside_seconds"] < run["seconds"]
+
+
 def test_gpu_bench_rejects_an_unknown_eval_1k_variant_before_building_anything(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         gpu.main(["--sections", "eval_1k", "--eval-1k-variants", "dynamic_cache,nope", "--out", str(tmp_path / "o")])

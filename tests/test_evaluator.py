@@ -7,9 +7,12 @@ hand-written completions (`build_report`) and the end-to-end runs on consistency
 from __future__ import annotations
 
 import copy
+import io
 import json
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ import torch
 from qwen_vl_utils import process_vision_info
 
 from evaluator import Split, evaluate, evaluate_splits, evaluation, vision_attention
-from evaluator.__main__ import _parser, main
+from evaluator.__main__ import READY_LINE, _parser, main
 from evaluator.data import DataError, load_split, subset_indices, validate_solutions
 from evaluator.evaluation import load_model
 from evaluator.generation import Completion, build_inputs, generate_completions, tokens_until_eos
@@ -343,6 +346,63 @@ def test_the_command_line_writes_a_report_per_split(tiny_model_dir: Path, tiny_s
     assert len(lines) == 2
     for line, report in zip(lines, reports):
         assert line.startswith(f"{tiny_split_dir}: accuracy {report['accuracy_pct']:.2f}%")
+
+
+def test_the_model_is_looked_at_only_after_the_wait_and_its_seconds_are_not_counted(
+    tiny_model_dir: Path, tiny_split_dir: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "merged"  # written while the evaluator waits, as a trainer saves it
+    waits = []
+
+    def save_the_model() -> None:
+        waits.append(time.perf_counter())
+        assert not model.exists()
+        time.sleep(1.0)
+        shutil.copytree(tiny_model_dir, model)
+
+    began = time.perf_counter()
+    report = evaluate(model, tiny_split_dir, limit=2, batch_size=2, devices=["cpu"], max_new_tokens=SHORT,
+                      wait_for_model=save_the_model)  # fmt: skip
+    assert len(waits) == 1 and report["n"] == 2 and report["model"] == str(model)
+    assert report["seconds"] <= time.perf_counter() - began - 1.0  # the clock starts when the wait is over
+    with pytest.raises(DataError, match="no such folder"):  # a bad split fails before the wait
+        evaluate(model, tmp_path / "absent", wait_for_model=lambda: waits.append("called"))
+    assert len(waits) == 1
+
+
+def test_the_command_line_waits_for_a_line_before_it_reads_the_model(
+    tiny_model_dir: Path, tiny_split_dir: Path, tmp_path: Path
+) -> None:
+    model, out = tmp_path / "merged", tmp_path / "report.json"
+    command = [sys.executable, "-m", "evaluator", str(model), str(tiny_split_dir), "--limit", "2", "--batch-size", "2",
+               "--out", str(out), "--wait-for-input"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert process.stderr.readline().strip() == READY_LINE
+        time.sleep(0.2)
+        assert process.poll() is None and not out.exists()
+        shutil.copytree(tiny_model_dir, model)  # the model folder did not exist until now
+        stdout, stderr = process.communicate("go\n", timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    report = json.loads(out.read_text())
+    assert report["n"] == 2 and report["model"] == str(model) and stdout.startswith("accuracy ")
+
+
+def test_the_command_line_scores_nothing_when_its_input_ends_before_a_line(
+    tiny_split_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "report.json"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main([str(tmp_path / "never_saved"), str(tiny_split_dir), "--out", str(out), "--wait-for-input"]) == 3
+    assert not out.exists()
+    assert capsys.readouterr().err.splitlines() == [
+        READY_LINE, "evaluator: standard input ended before a line asked for the evaluation; nothing scored"]
+    # A bad split fails before the wait, as without it.
+    assert main([str(tmp_path / "never_saved"), str(tmp_path / "absent"), "--wait-for-input"]) == 2
+    assert READY_LINE not in capsys.readouterr().err
 
 
 def test_the_command_line_gives_each_split_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -402,8 +402,10 @@ def test_kill_9_of_the_scheduler_during_a_real_tiny_round(tmp_path, tiny_model_d
     finally:
         first.send_signal(signal.SIGKILL)
         output = first.communicate()[0].decode()
-    [trainer] = read_jsonl(run_dir / "processes.jsonl")
+    trainer, evaluator = read_jsonl(run_dir / "processes.jsonl")  # the evaluator waits beside the trainer
     wait_for(lambda: not group_members(trainer["pgid"]), 90, "the trainer to end with its scheduler", interval=0.2)
+    wait_for(lambda: not group_members(evaluator["pgid"]), 30, "the waiting evaluator to end with its scheduler",
+             interval=0.2)  # fmt: skip
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "stopped" and "SIGTERM" in (status["reason"] or ""), (status, output[-2000:])
     study = load(tmp_path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,14 +27,21 @@ from faultkit import alive
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# `python stub.py trainer --config RUN_DIR/trial.json` / `python stub.py evaluator MODEL DATA... --out REPORT...`;
-# STUB_MODE (inherited through the environment) picks the behaviour.
+# `python stub.py trainer --config RUN_DIR/trial.json` / `python stub.py evaluator MODEL DATA... --out REPORT...
+# [--wait-for-input]`; STUB_MODE (inherited through the environment) picks the behaviour.
 STUB = r'''
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
 
 role, mode = sys.argv[1], os.environ.get("STUB_MODE", "ok")
 if role == "evaluator":
+    if mode == "eval_bad_split":  # fails while reading its splits, before it waits
+        sys.exit("evaluator: val: no such folder")
+    waited = "--wait-for-input" in sys.argv
+    if waited:
+        print("evaluator: waiting", flush=True)
+        if not sys.stdin.readline():
+            sys.exit(3)
     options = [i for i, arg in enumerate(sys.argv) if arg.startswith("--")]
     splits = sys.argv[3 : options[0]]
     outs = sys.argv[sys.argv.index("--out") + 1 :][: len(splits)]
@@ -45,7 +53,8 @@ if role == "evaluator":
     for data, out in zip(splits, outs):
         accuracy = 61.5 if "ood" in Path(data).name else 80.0
         report = {"accuracy_pct": accuracy, "n": 10, "format_rate": 95.0, "mean_completion_tokens": 12.0,
-                  "argv": sys.argv, "pid": os.getpid()}
+                  "argv": sys.argv, "pid": os.getpid(), "waited": waited,
+                  "model_saved": Path(sys.argv[2], "config.json").is_file()}
         Path(out).write_text(json.dumps(report))
     sys.exit(0)
 
@@ -67,7 +76,7 @@ def finish(state, steps, reason=None, model=True, code=0, **kind):
     (out / "status.json").write_text(json.dumps(status))
     sys.exit(code)
 
-if mode in ("ok", "eval_fails", "eval_writes_ood_only"):
+if mode in ("ok", "eval_fails", "eval_bad_split", "eval_writes_ood_only"):
     for step in (1, 2, 3):
         line(step, **({"ood_accuracy": 52.0} if step == 2 else {}))
     finish("completed", 3)
@@ -151,6 +160,7 @@ def test_a_round_trains_then_is_scored_on_ood_and_val(backend, tmp_path, monkeyp
     assert json.loads((run_dir / "env.json").read_text())["cuda"] == "1"
     ood, val = (json.loads((run_dir / f"{name}_eval.json").read_text()) for name in ("ood", "val"))
     assert ood["pid"] == val["pid"]  # one evaluation process scored both splits
+    assert ood["waited"] and ood["model_saved"]  # started with the trainer, told to go once the model was saved
     argv = ood["argv"]
     assert argv[3:5] == [str(tmp_path / "ood_val"), str(tmp_path / "val")]
     # ood_rows null: all of ood_val; val_rows 5 of val, seeded with the study's seed
@@ -198,6 +208,47 @@ def test_stop_saves_and_scores_the_round(backend, tmp_path, monkeypatch):
     assert outcome.state == "stopped" and outcome.steps_done >= 1 and outcome.ood_accuracy == 61.5
 
 
+def round_processes(run_dir: Path) -> list[int]:
+    return [json.loads(line)["pgid"] for line in (run_dir / "processes.jsonl").read_text().splitlines()]
+
+
+def test_the_evaluator_waits_beside_the_trainer_and_scores_the_saved_model(backend, tmp_path, monkeypatch):
+    handle = start(backend, tmp_path, "until_stop", monkeypatch)
+    run_dir = tmp_path / "round"
+    until = time.monotonic() + 10
+    while "evaluator: waiting" not in (run_dir / "eval.log").read_text():
+        assert time.monotonic() < until, "the evaluator did not start beside the trainer"
+        time.sleep(0.02)
+    trainer, evaluator = round_processes(run_dir)
+    assert handle.pid == trainer and alive(evaluator) and not (run_dir / "merged").exists()
+    time.sleep(0.3)
+    assert alive(evaluator) and not (run_dir / "ood_eval.json").exists()  # it waits for the model
+    handle.request_stop()
+    wait_done(handle)
+    assert handle.outcome().state == "stopped" and handle.outcome().ood_accuracy == 61.5
+    report = json.loads((run_dir / "ood_eval.json").read_text())
+    assert report["pid"] == evaluator and report["waited"] and report["model_saved"]
+    assert round_processes(run_dir) == [trainer, evaluator]  # no second evaluator was started
+
+
+@pytest.mark.parametrize("end", ["stop_without_evaluation", "training_fails", "kill"])
+def test_a_round_that_ends_unscored_kills_its_waiting_evaluator(backend, tmp_path, monkeypatch, end):
+    handle = start(backend, tmp_path, "failed" if end == "training_fails" else "until_stop", monkeypatch)
+    run_dir = tmp_path / "round"
+    until = time.monotonic() + 10
+    while "evaluator: waiting" not in (run_dir / "eval.log").read_text():
+        assert time.monotonic() < until, "the evaluator did not start beside the trainer"
+        time.sleep(0.02)
+    if end == "stop_without_evaluation":
+        handle.request_stop(evaluate=False)
+    elif end == "kill":
+        handle.kill()
+    wait_done(handle)
+    assert handle.outcome().ood_accuracy is None and not (run_dir / "ood_eval.json").exists()
+    assert len(round_processes(run_dir)) == 2
+    assert not any(alive(pgid) for pgid in round_processes(run_dir))
+
+
 def test_stop_without_evaluation_frees_the_gpus_after_the_save(backend, tmp_path, monkeypatch):
     handle = start(backend, tmp_path, "until_stop", monkeypatch)
     handle.request_stop(evaluate=False)
@@ -234,6 +285,7 @@ def test_kill_ends_the_whole_process_group(backend, tmp_path, monkeypatch):
         ("crash", "the trainer exited with code 3: RuntimeError: boom"),
         ("no_model", "the trainer reported completed but wrote no model to"),
         ("eval_fails", "the evaluation failed with exit code 1 (evaluator: the model folder does not load)"),
+        ("eval_bad_split", "the evaluation failed with exit code 1 (evaluator: val: no such folder)"),
         ("eval_writes_ood_only", "the evaluation wrote no val report (the val split vanished)"),
     ],
 )
@@ -378,3 +430,24 @@ def test_wait_for_any_end_without_children_or_pidfds_sleeps(monkeypatch):
     began = time.monotonic()
     local_backend.wait_for_any_end([os.getpid()], 0.1)
     assert time.monotonic() - began >= 0.1
+
+
+def test_the_orphan_sweep_kills_running_groups_and_passes_over_zombies(tmp_path):
+    """A process the container's first process never reaps stays a zombie: nothing to kill, and not reported."""
+    from search.local_backend import _record_process, reap_processes
+
+    sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    until = time.monotonic() + 10
+    while alive(ended.pid):  # a zombie once it has ended, as it is not waited for yet
+        assert time.monotonic() < until
+        time.sleep(0.02)
+    try:
+        for process in (sleeping, ended):
+            _record_process(tmp_path, process.pid)
+        assert reap_processes(tmp_path) == [sleeping.pid]
+        assert sleeping.wait(timeout=10) == -9
+    finally:
+        sleeping.kill()
+        sleeping.wait()
+        ended.wait()
