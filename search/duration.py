@@ -45,8 +45,9 @@ COMPILE_S = 40.0  # once per round that compiles its rollouts
 INROUND_EVAL_ROW_S = 0.16  # greedy generate, dynamic cache, batch 32 (the brief: 6.2 prompts/s at batch 64)
 SETUP_S = 25.0  # launch, imports, model, replica (and reference model) loading, dataset loading
 SAVE_S = 10.0  # merge, save_pretrained of 4.4 GB
-EVAL_LOAD_S = 75.0  # one evaluation process: model loading, the static cache's compilation (cold); its imports and
-# data loading happen while the round trains (LocalBackend starts the evaluator beside the trainer)
+# One evaluation process: model loading and the static cache's compilation. Its imports and data loading happen while
+# the round trains (LocalBackend starts the evaluator beside the trainer).
+EVAL_LOAD_S = 75.0
 EVAL_ROW_S = 0.03
 # The box's 48 GB cards against an H200: a guess (less bandwidth and compute; decode is partly launch-bound),
 # replaced by the fit as soon as one round has finished.
