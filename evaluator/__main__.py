@@ -8,8 +8,8 @@ message on stderr and exit code 2, before any weights are loaded.
 
 With --wait-for-input the process can be started before its model exists: it imports its libraries and reads the
 splits, prints `READY_LINE` on stderr, and waits for a line on its standard input before it reads the model folder.
-The search starts each round's evaluator so while the round trains: the imports (~11-15 s on a GPU machine) are done
-by the time the model is. Standard input ending without a line: exit code 3, nothing scored.
+The search starts each round's evaluator this way while the round trains, so that its imports are done by the time the
+model is. Standard input ending without a line: exit code 3, nothing scored.
 """
 
 from __future__ import annotations

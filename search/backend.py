@@ -16,7 +16,8 @@ from trainer.run_folder import FailureKind, Phase, RoundState
 # Keys of `RoundOutcome.timings`, all measured wall-clock seconds. `DurationModel.observe` fits on these.
 #   setup: launch of the trainer process until its first step (imports and model loading included),
 #   train: the trainer's own training time (in-round evaluations included), save: saving and merging,
-#   eval:  the evaluation process (OOD, then the val health check, from one load of the model).
+#   eval:  the evaluation (OOD, then the val health check, from one load of the model), from the moment its
+#          process is told the model is saved (it starts beside the trainer) to its end.
 # A part is absent when it did not run or failed. A part cut short by a kill is reported as `<part>_at_least`: a
 # lower bound that still corrects a model that under-predicts (otherwise every late round would be killed again).
 TIMING_KEYS = ("setup", "train", "save", "eval")

@@ -384,11 +384,21 @@ def _die_with_parent(parent: int):
     return preexec
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields from field 3 on (state, ppid, pgrp, ...): those after the command's closing
+    parenthesis, as the command itself may hold spaces and parentheses. None when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _start_time(pid: int) -> int | None:
     """The process's start time (clock ticks since boot, /proc/PID/stat field 22), None when there is none."""
+    fields = _stat_fields(pid)
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
         return None
 
 
@@ -430,20 +440,16 @@ def reap_processes(run_dir: Path) -> list[int]:
 
 
 def _running_groups() -> set[int] | None:
-    """The process group ids with at least one member that is not a zombie (/proc/PID/stat: state, then ppid, then
-    pgrp after the command's closing parenthesis); None where /proc cannot be read."""
-    groups = set()
+    """The process group ids with at least one member that is not a zombie; None where /proc cannot be read."""
     try:
         entries = [entry for entry in os.listdir("/proc") if entry.isdigit()]
     except OSError:
         return None
+    groups = set()
     for entry in entries:
-        try:
-            state, _, pgrp = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue  # ended while the folder was read
-        if state not in ("Z", "X"):
-            groups.add(int(pgrp))
+        fields = _stat_fields(entry)  # None: it ended while the folder was read
+        if fields and fields[0] not in ("Z", "X"):
+            groups.add(int(fields[2]))
     return groups
 
 
