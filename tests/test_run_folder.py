@@ -23,10 +23,15 @@ def test_a_status_round_trips_with_its_kind(tmp_path):
                                   FailureKind.OUT_OF_MEMORY))  # fmt: skip
     raw = json.loads((tmp_path / "status.json").read_text())
     assert raw["state"] == "failed" and raw["kind"] == "out_of_memory"
-    assert raw["timings"] == {"setup": 1.5, "train": 2.0, "save": 0.0}
-    written = {"setup": 1.5, "train": 2.0, "save": 0.0}
+    assert raw["timings"] == {"setup": 1.5, "train": 2.0}  # only the parts that ran: no save, no build
+    written = {"setup": 1.5, "train": 2.0}
     expected = Status(RoundState.FAILED, "CUDA out of memory", 3, written, FailureKind.OUT_OF_MEMORY)
     assert read_status(tmp_path) == expected
+
+
+def test_a_merge_status_keeps_its_build_time_and_drops_unknown_parts(tmp_path):
+    write_status(tmp_path, Status(RoundState.COMPLETED, None, 0, {"build": 12.25, "warmup": 3.0}))
+    assert read_status(tmp_path).timings == {"build": 12.25}
 
 
 def test_a_status_without_a_kind_is_still_read(tmp_path):

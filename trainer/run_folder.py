@@ -27,6 +27,8 @@ EVAL_LOG = "eval.log"  # every evaluation's stdout and stderr
 # The process groups the search started for the round, one JSON line each (`pgid`, `start`, `host`): what a later
 # search kills when the one that started them died.
 PROCESSES_FILE = "processes.jsonl"
+# The parts status.json times, in seconds: a trainer's setup, train and save; a merge's build (search.soup).
+TIMED_PARTS = ("setup", "train", "save", "build")
 _RANK_FAILURE = "failure.rank{}.json"  # a failing process of a multi-process round: `RankFailure`
 
 
@@ -79,7 +81,7 @@ class Status:
     state: RoundState
     reason: str | None
     steps_done: int
-    timings: dict[str, float] = field(default_factory=dict)  # setup, train, save (seconds)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds of the TIMED_PARTS that ran
     kind: FailureKind | None = None  # set when the state is FAILED
 
 
@@ -89,7 +91,7 @@ def write_status(folder: str | Path, status: Status) -> None:
         "kind": status.kind,
         "reason": status.reason,
         "steps_done": status.steps_done,
-        "timings": {key: round(float(status.timings.get(key, 0.0)), 3) for key in ("setup", "train", "save")},
+        "timings": {key: round(float(status.timings[key]), 3) for key in TIMED_PARTS if key in status.timings},
     })  # fmt: skip
 
 
