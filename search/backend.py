@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from search.soup import MergeSpec
 from trainer.config import TrialConfig
 from trainer.run_folder import FailureKind, Phase, RoundState
 
@@ -17,10 +18,11 @@ from trainer.run_folder import FailureKind, Phase, RoundState
 #   setup: launch of the trainer process until its first step (imports and model loading included),
 #   train: the trainer's own training time (in-round evaluations included), save: saving and merging,
 #   eval:  the evaluation (OOD, then the val health check, from one load of the model), from the moment its
-#          process is told the model is saved (it starts beside the trainer) to its end.
+#          process is told the model is saved (it starts beside the trainer) to its end,
+#   build: a merge candidate's weights averaged and written (search.soup); a merge has no setup, train or save.
 # A part is absent when it did not run or failed. A part cut short by a kill is reported as `<part>_at_least`: a
 # lower bound that still corrects a model that under-predicts (otherwise every late round would be killed again).
-TIMING_KEYS = ("setup", "train", "save", "eval")
+TIMING_KEYS = ("setup", "train", "save", "eval", "build")
 
 
 @dataclass
@@ -68,6 +70,10 @@ class Backend(Protocol):
     def score(self, model_dir: str, run_dir: str, gpus: list[int]) -> RoundHandle:
         """Start a round without training: the evaluations of the model in `model_dir` (the base model, round 0),
         reported in `run_dir`; its outcome is COMPLETED with 0 steps and `merged_dir` = `model_dir`."""
+
+    def merge(self, spec: MergeSpec, run_dir: str, gpus: list[int]) -> RoundHandle:
+        """Start a merge candidate: `spec`'s model built into `run_dir`/merged (search.soup), then the evaluations
+        of every round; its outcome is COMPLETED with 0 steps and timings `build` and `eval`."""
 
     def has_weights(self, merged_dir: str) -> bool:
         """Whether a round's merged model is still there to start another round from."""

@@ -1,6 +1,7 @@
 """How long a round will take, predicted from its TrialConfig and refitted on the rounds that finished.
 
-A round is four measured parts (`search.backend.TIMING_KEYS`): setup, train, save, eval. Setup, save and eval
+A round is four measured parts (`search.backend.TIMING_KEYS`): setup, train, save, eval (a merge candidate is
+two: build, one constant per model it reads, and eval). Setup, save and eval
 cost the same for every round (the same model, the same evaluation rows), so each is one constant. In training, a
 generation batch decodes for as long as its longest completion, which is the cap
 `max_completion_length` for most batches, so the training features use the cap (the same feature at fit and at
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from search.backend import TIMING_KEYS as PARTS
+
+ROUND_PARTS = ("setup", "train", "save", "eval")  # a training round's parts; a merge's are build and eval
 from trainer.config import TrialConfig
 
 # H200 priors, measured with the trainer as it runs (bench/grpo_profile.py, bench/results/2026-12-03-h200.json: the
@@ -49,6 +52,9 @@ SAVE_S = 10.0  # merge, save_pretrained of 4.4 GB
 # the round trains (LocalBackend starts the evaluator beside the trainer).
 EVAL_LOAD_S = 75.0
 EVAL_ROW_S = 0.03
+# A merge candidate's build, per model it reads (search.soup: the 2B model's 4.4 GB read, averaged in float32, the
+# result written): bench/soup_cost.py on a CPU.
+BUILD_MODEL_S = 8.0
 # The box's 48 GB cards against an H200: a guess (less bandwidth and compute; decode is partly launch-bound),
 # replaced by the fit as soon as one round has finished.
 BOX_SLOWDOWN = 2.0
@@ -92,6 +98,7 @@ class DurationModel:
             "train": np.array([DECODE_FULL_S, DECODE_LORA_S, TOKEN_S, INROUND_EVAL_ROW_S, COMPILE_S]),
             "save": np.array([SAVE_S]),
             "eval": np.array([EVAL_LOAD_S + eval_rows * EVAL_ROW_S]),
+            "build": np.array([BUILD_MODEL_S]),
         }
         self._multipliers = {part: np.full(len(p), prior_scale) for part, p in self._priors.items()}
         # part -> [(terms, seconds, exact)]; not exact: a lower bound (the part was cut short by a kill)
@@ -102,13 +109,17 @@ class DurationModel:
     def estimate(self, config: TrialConfig, *, steps: int | None = None) -> Estimate:
         steps = config.steps if steps is None else steps
         seconds = {
-            part: float(self._terms(part, config, steps) @ self._multipliers[part]) for part in PARTS
+            part: float(self._terms(part, config, steps) @ self._multipliers[part]) for part in ROUND_PARTS
         }
         return Estimate(**seconds)
 
     def eval_seconds(self) -> float:
         """Predicted seconds of a round's evaluations (the same for every round, and all a scoring round does)."""
         return float(self._terms("eval", None, 0) @ self._multipliers["eval"])
+
+    def merge_seconds(self, models_read: int) -> float:
+        """Predicted seconds of a merge candidate: building it from `models_read` models, then its evaluations."""
+        return float(self._terms("build", None, 0, models_read) @ self._multipliers["build"]) + self.eval_seconds()
 
     def check_seconds(self, rows: int) -> float:
         """Predicted seconds of one process loading a model and generating `rows` rows (a submission's check), at the
@@ -147,20 +158,27 @@ class DurationModel:
     def n_observed(self) -> int:
         return len(self._observed["train"])
 
-    def observe(self, config: TrialConfig | None, steps_done: int, timings: dict[str, float]) -> None:
+    def observe(
+        self, config: TrialConfig | None, steps_done: int, timings: dict[str, float], *, models_read: int = 0
+    ) -> None:
         """Learn from a finished round's measured `timings`: each part's seconds, or `<part>_at_least` for a part a
         kill cut short. A part that is missing or not positive (the evaluation of a pruned round) teaches nothing.
-        `steps_done` is what ran, not what was planned; a round that only scored a model has no config."""
+        `steps_done` is what ran, not what was planned; a round that only scored a model has no config; a merge
+        candidate read `models_read` models."""
         for part in PARTS:
             exact = part in timings
             seconds = timings.get(part, timings.get(f"{part}_at_least"))
             if seconds is None or not seconds > 0 or (part == "train" and (steps_done < 1 or config is None)):
                 continue
-            self._observed[part].append((self._terms(part, config, steps_done), float(seconds), exact))
+            if part == "build" and models_read < 1:
+                continue
+            self._observed[part].append((self._terms(part, config, steps_done, models_read), float(seconds), exact))
             self._multipliers[part] = _fit_with_bounds(self._observed[part])
 
-    def _terms(self, part: str, config: TrialConfig | None, steps: int) -> np.ndarray:
+    def _terms(self, part: str, config: TrialConfig | None, steps: int, models_read: int = 0) -> np.ndarray:
         """The prior's seconds per term: features times prior coefficients (the multipliers scale these)."""
+        if part == "build":
+            return self._priors[part] * models_read
         if part != "train":
             return self._priors[part].copy()
         decode = math.ceil(steps / config.generation_steps) * config.max_completion_length

@@ -50,7 +50,9 @@ class RoundEnd:
             if self.prune:
                 held = (promoted(self.settings.submission_path) or {}).get("trial")
                 keep = {held} if isinstance(held, int) else set()  # the current best, whatever the study ranks
-                prune_run_dirs(self.study, self.settings.keep_rounds, self.settings.rounds_dir, keep=keep)
+                merge = self.settings.merge
+                prune_run_dirs(self.study, self.settings.keep_rounds, self.settings.rounds_dir, keep=keep,
+                               merge_top_k=merge.top_k if merge.enabled else 0)  # fmt: skip
             write_leaderboard(self.study, self.folder)
         except Exception as exc:  # noqa: BLE001 - see the module docstring
             warn(f"warning: after round {trial.number}: {type(exc).__name__}: {exc}")

@@ -23,8 +23,9 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from search import selection
-from search.space import BASE, SAMPLED
+from search.space import BASE, MERGE, SAMPLED
 from search.study import FINAL_CHECK_ATTR
+from trainer.validation import is_number
 
 BASELINE = "baseline"  # the warm start every other round is compared against
 _MARKED = (BASE, BASELINE)  # recipes the tables mark: the zero point and the inherited recipe
@@ -51,7 +52,8 @@ _CONFIG_COLUMNS = (
 )
 COLUMNS = (
     "rank", "trial", "recipe", "state", "ood_acc", "vs_base", "vs_best", "val_acc", "format_rate", "mean_tokens",
-    "duration_min", "steps", "parent", "total_steps", *(column for column, _ in _CONFIG_COLUMNS), "reason",
+    "duration_min", "steps", "parent", "total_steps", "eta", "sel_acc", "held_out",
+    *(column for column, _ in _CONFIG_COLUMNS), "reason",
 )  # fmt: skip
 
 
@@ -106,7 +108,7 @@ def leaderboard_rows(study: optuna.Study) -> list[dict[str, Any]]:
     trials = study.get_trials(deepcopy=False)
     ranked = sorted((t for t in trials if _score(t) is not None), key=lambda t: (-_score(t), t.number))
     others = sorted((t for t in trials if _score(t) is None), key=lambda t: t.number)
-    base, best = _base(trials), (ranked[0] if ranked else None)
+    base, best = _base(trials), _best(ranked)
     rows = [_row(trial, rank, base, best) for rank, trial in enumerate(ranked, start=1)]
     return rows + [_row(trial, None, base, best) for trial in others]
 
@@ -118,21 +120,41 @@ def why_it_won(study: optuna.Study) -> str:
     scored = sorted((t for t in trials if _score(t) is not None), key=lambda t: (-_score(t), t.number))
     if not scored:
         return "No round has finished with a score yet."
-    best = scored[0]
+    best = _best(scored)
     parts = [f"Best: trial {best.number} ({_recipe(best)}), ood_val accuracy {_score(best):.1f}%"]
     chain = _chain(best, {t.number: t for t in trials})
-    if len(chain) > 1:
+    if isinstance(best.user_attrs.get("parent"), list):
+        parts[0] += f", a merge of trials {_cell('parent', best.user_attrs['parent'])}"
+        parts[0] += f" at eta {best.user_attrs['eta']:g}" if is_number(best.user_attrs.get("eta")) else ""
+    elif len(chain) > 1:
         steps = best.user_attrs.get("total_steps")
         parts[0] += f", chain {' -> '.join(map(str, chain))}" + (f" ({steps} steps)" if steps is not None else "")
     base = _base(trials)
-    runner_up = scored[1] if len(scored) > 1 else None
+    runner_up = next((t for t in scored if t.number != best.number and _eligible(t)), None)
     for name, other in (("the base", base), ("the runner-up", runner_up)):
         if other is None or other.number == best.number or _score(other) is None:
             continue
         if name == "the runner-up" and base is not None and other.number == base.number:
             continue  # said already
         parts.append(f"over {name} (trial {other.number}, {_score(other):.1f}%) {_lead_text(best, other)}")
-    return "; ".join(parts) + "; " + _against_baseline(best, scored)
+    return "; ".join(parts + _merge_stage(trials)) + "; " + _against_baseline(best, scored)
+
+
+def _eligible(trial: FrozenTrial) -> bool:
+    """Whether a scored trial may be called the best: a merge candidate only once the merge stage handed it in (its
+    score chose it among its stage's candidates, so it is optimistic)."""
+    return _recipe(trial) != MERGE or trial.user_attrs.get("promoted") is True
+
+
+def _best(ranked: list[FrozenTrial]) -> FrozenTrial | None:
+    return next((t for t in ranked if _eligible(t)), ranked[0] if ranked else None)
+
+
+def _merge_stage(trials: list[FrozenTrial]) -> list[str]:
+    """The merge stage's choice and why it was handed in or kept out, one part per stage run."""
+    return [f"the merge stage chose trial {t.number} (selection rows {t.user_attrs.get('selection_accuracy', '-')}%"
+            f", held-back lead {_held_out_lead(t.user_attrs) or '-'}): {t.user_attrs.get('merge_decision', '-')}"
+            for t in trials if t.user_attrs.get("merge_chosen") is True]  # fmt: skip
 
 
 def final_check_line(study: optuna.Study) -> str | None:
@@ -225,6 +247,9 @@ def _row(trial: FrozenTrial, rank: int | None, base: FrozenTrial | None, best: F
         "vs_best": _lead(trial, best) if scored else None,
         "parent": attrs.get("parent"),
         "total_steps": attrs.get("total_steps"),
+        "eta": attrs.get("eta"),
+        "sel_acc": attrs.get("selection_accuracy"),
+        "held_out": _held_out_lead(attrs),
         "val_acc": attrs.get("val_accuracy"),
         "format_rate": attrs.get("format_rate"),
         "mean_tokens": attrs.get("mean_completion_tokens"),
@@ -236,7 +261,19 @@ def _row(trial: FrozenTrial, rank: int | None, base: FrozenTrial | None, best: F
     return row
 
 
+def _held_out_lead(attrs: dict) -> selection.Lead | None:
+    """A merge candidate's lead over the submission on the rows its stage held back from every choice."""
+    value = attrs.get("held_out_lead")
+    try:
+        points, low, high, n = value
+        return selection.Lead(float(points), float(low), float(high), int(n))
+    except (TypeError, ValueError):
+        return None
+
+
 def _reason(trial: FrozenTrial) -> str | None:
+    if trial.user_attrs.get("merge_decision"):  # the stage's chosen candidate: why it was handed in or kept out
+        return trial.user_attrs["merge_decision"]
     reason = trial.user_attrs.get("reason")
     if reason is None and trial.state == TrialState.PRUNED and trial.intermediate_values:
         step = max(trial.intermediate_values)
@@ -247,8 +284,8 @@ def _reason(trial: FrozenTrial) -> str | None:
 # ---------------------------------------------------------------------------------------------------------- cells
 def _is_numeric_column(column: str) -> bool:
     return column in {"rank", "trial", "ood_acc", "vs_base", "vs_best", "val_acc", "format_rate", "mean_tokens",
-                      "duration_min", "steps", "parent", "total_steps", "beta", "G", "lora_rank", "lr", "temperature",
-                      "max_pixels"}  # fmt: skip
+                      "duration_min", "steps", "parent", "total_steps", "eta", "sel_acc", "held_out", "beta", "G",
+                      "lora_rank", "lr", "temperature", "max_pixels"}  # fmt: skip
 
 
 def _cell(column: str, value: Any) -> str:
@@ -257,7 +294,11 @@ def _cell(column: str, value: Any) -> str:
         return "-"
     if column == "rewards":
         return _rewards(value)
-    if column in {"ood_acc", "val_acc", "format_rate"}:  # percents
+    if column == "parent" and isinstance(value, list):  # a merge's ingredients
+        return "+".join(map(str, value))
+    if column == "eta":
+        return f"{value:g}"
+    if column in {"ood_acc", "val_acc", "format_rate", "sel_acc"}:  # percents
         return f"{value:.1f}"
     if column in {"mean_tokens", "duration_min"}:
         return f"{value:.0f}"
@@ -271,6 +312,8 @@ def _cell(column: str, value: Any) -> str:
 def _csv_value(value: Any) -> Any:
     if value is None:
         return ""
+    if isinstance(value, list):  # a merge's ingredients
+        return "+".join(map(str, value))
     if isinstance(value, dict):
         return _rewards(value)
     if isinstance(value, selection.Lead):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from search.backend import RoundOutcome
 from search.folders import inside
+from search.soup import SPEC_FILE, MergeSpec
 from trainer.config import TrialConfig
 from trainer.run_folder import (
     EVAL_LOG,
@@ -70,6 +71,12 @@ class LocalBackend:
 
     def score(self, model_dir: str, run_dir: str, gpus: list[int]) -> "LocalRound":
         return self._started(LocalRound(self, _fresh_run_dir(run_dir), gpus, model_dir=Path(model_dir)))
+
+    def merge(self, spec: MergeSpec, run_dir: str, gpus: list[int]) -> "LocalRound":
+        folder = _fresh_run_dir(run_dir)
+        spec.to_json(folder / SPEC_FILE)
+        build = [sys.executable, "-m", "search.soup", "--spec", str(folder / SPEC_FILE)]
+        return self._started(LocalRound(self, folder, gpus, build_command=build))
 
     def has_weights(self, merged_dir: str) -> bool:
         return Path(merged_dir, "config.json").is_file()
@@ -129,9 +136,18 @@ class LocalBackend:
 
 class LocalRound:
     """One round's processes. `done()` advances it: training -> evaluation -> done. Given `model_dir`, it only
-    scores that model: evaluation -> done."""
+    scores that model: evaluation -> done. Given `build_command`, that command writes the model and the status in
+    the trainer's place (a merge, search.soup)."""
 
-    def __init__(self, backend: LocalBackend, run_dir: Path, gpus: list[int], *, model_dir: Path | None = None):
+    def __init__(
+        self,
+        backend: LocalBackend,
+        run_dir: Path,
+        gpus: list[int],
+        *,
+        model_dir: Path | None = None,
+        build_command: list[str] | None = None,
+    ):
         self._backend = backend
         self.run_dir = run_dir
         self._env = dict(os.environ)
@@ -157,7 +173,7 @@ class LocalRound:
             self._state = RoundState.COMPLETED
             self._start_evaluation()
         else:
-            command = backend.train_command(gpus, run_dir / TRIAL_FILE)
+            command = build_command or backend.train_command(gpus, run_dir / TRIAL_FILE)
             self._proc, self._started = self._spawn(command, run_dir / TRAIN_LOG)
             self._start_evaluator_ahead()
 
@@ -313,7 +329,7 @@ class LocalRound:
 
     def _timings(self) -> dict[str, float]:
         trainer = self._status.timings if self._status else {}
-        timings = {key: trainer[key] for key in ("train", "save") if key in trainer}
+        timings = {key: trainer[key] for key in ("train", "save", "build") if key in trainer}
         if self._train_seconds is not None and "train" in timings and "save" in timings:
             # The trainer's own "setup" starts after its imports; the process wall-clock covers all of it.
             timings["setup"] = max(0.0, self._train_seconds - timings["train"] - timings["save"])

@@ -32,6 +32,7 @@ from optuna.trial import TrialState
 from search import verification
 from search.folders import inside
 from search.log import warn
+from search.space import MERGE
 
 MARKER = "PROMOTED.json"
 _LOG = logging.getLogger(__name__)
@@ -246,11 +247,17 @@ def restore_previous(submission_dir: str | os.PathLike) -> dict | None:
 
 # ---------------------------------------------------------------------------------------------------------- runs folder
 def prune_run_dirs(
-    study: optuna.Study, keep_rounds: int, rounds_dir: str | os.PathLike, *, keep: set[int] | frozenset = frozenset()
+    study: optuna.Study,
+    keep_rounds: int,
+    rounds_dir: str | os.PathLike,
+    *,
+    keep: set[int] | frozenset = frozenset(),
+    merge_top_k: int = 0,
 ) -> list[Path]:
-    """Delete the weights of this study's finished rounds but the best one, the `keep_rounds` next best, the rounds
-    in `keep` (the one the submission holds) and the parents of running rounds (`parent` user attr: a round that
-    continues another starts from its merged model).
+    """Delete the weights of this study's finished rounds but the best one, the `keep_rounds` next best (the
+    `merge_top_k` best when that is more: the merge stage's ingredients), the rounds in `keep` (the one the submission
+    holds) and the parents of running rounds (`parent` user attr: a round that continues another starts from its
+    merged model; a merge names its ingredients). A merge candidate's weights are kept only in `keep`.
 
     Weights are a round folder's sub-folders (merged/, checkpoints) and weight files; logs, JSON and plots stay, so
     the leaderboard and the dashboard keep every round's story. Only folders the study's trials name (user attr
@@ -259,20 +266,30 @@ def prune_run_dirs(
     """
     trials = study.get_trials(deepcopy=False)
     completed = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
-    completed.sort(key=lambda t: t.value, reverse=True)
-    keep = {t.number for t in completed[: keep_rounds + 1]} | set(keep)
-    keep |= {t.user_attrs["parent"] for t in trials if t.state == TrialState.RUNNING and "parent" in t.user_attrs}
+    rounds = [t for t in completed if t.user_attrs.get("recipe") != MERGE]
+    rounds.sort(key=lambda t: t.value, reverse=True)
+    keep = {t.number for t in rounds[: max(keep_rounds + 1, merge_top_k)]} | set(keep)
+    for t in trials:
+        if t.state == TrialState.RUNNING:
+            parent = t.user_attrs.get("parent")
+            keep |= set(parent) if isinstance(parent, list) else {parent}
     deleted = []
     for trial in trials:
-        folder = trial.user_attrs.get("run_dir")
-        if trial.number in keep or not trial.state.is_finished() or not inside(folder, rounds_dir):
-            continue
-        if not Path(folder).is_dir() or Path(folder).is_symlink():
-            continue
-        for entry in sorted(Path(folder).iterdir()):
-            if entry.is_dir() or entry.suffix in _WEIGHT_SUFFIXES:
-                _remove(entry)
-                deleted.append(entry)
+        if trial.number not in keep and trial.state.is_finished():
+            deleted += delete_weights(trial.user_attrs.get("run_dir"), rounds_dir)
+    return deleted
+
+
+def delete_weights(folder: object, rounds_dir: str | os.PathLike) -> list[Path]:
+    """Delete a round folder's weights (its sub-folders and weight files), if it is a folder inside `rounds_dir`;
+    returns what was deleted."""
+    if not inside(folder, rounds_dir) or not Path(folder).is_dir() or Path(folder).is_symlink():
+        return []
+    deleted = []
+    for entry in sorted(Path(folder).iterdir()):
+        if entry.is_dir() or entry.suffix in _WEIGHT_SUFFIXES:
+            _remove(entry)
+            deleted.append(entry)
     return deleted
 
 

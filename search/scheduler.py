@@ -41,13 +41,14 @@ from typing import Callable
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from search import selection, space
+from search import merge_stage, selection, space
 from search.backend import TIMING_KEYS, Backend, RoundHandle, RoundOutcome
 from search.clock import Clock
 from search.duration import DurationModel
 from search.folders import inside
 from search.heartbeat import HEARTBEAT_ATTR, Heartbeat
 from search.log import say, warn
+from search.soup import MergeSpec
 from search.study import FINAL_CHECK_ATTR
 from search.verification import CHECK_ROWS
 from trainer.config import ConfigError, TrialConfig
@@ -110,6 +111,7 @@ class _Round:
     pruned: str | None = None  # the reason, once the pruner said so
     stopped: str | None = None  # the reason, once over the allotment
     killed: str | None = None
+    merge: merge_stage.Candidate | None = None  # a merge stage's candidate (config None: it trains nothing)
 
 
 class Scheduler:
@@ -163,11 +165,32 @@ class Scheduler:
         self._sweep_at = -math.inf
         self._status_at = -math.inf
         self._status_key: tuple = ()
+        self._stage: merge_stage.MergeStage | None = None  # the merge stage, once planned
+        self._stage_over = not settings.merge.enabled  # no stage, or it has decided
+        self._stage_ingredients: dict[int, merge_stage.Ingredient] = {}
+        # Scored candidates, RUNNING until the stage decides: the chosen one is promoted before it is told.
+        self._pending: list[tuple[optuna.Trial, RoundOutcome, merge_stage.Candidate]] = []
+
+    @property
+    def end_of_stage(self) -> float:
+        """Nothing runs past this but round 0: the deadline minus the reserve."""
+        return self.deadline - 60.0 * self.settings.reserve_minutes
 
     @property
     def end_of_rounds(self) -> float:
-        """No round runs past this: the deadline minus the reserve."""
-        return self.deadline - 60.0 * self.settings.reserve_minutes
+        """No training round runs past this: the end of the stage minus the merge stage's predicted time."""
+        return self.end_of_stage - (0.0 if self._stage_over and not self._pending else self.stage_seconds())
+
+    def _rounds_end(self) -> str:
+        return "the reserve" if self.end_of_rounds == self.end_of_stage else "the merge stage"
+
+    def stage_seconds(self) -> float:
+        """The merge stage's predicted seconds: its greedy soup's chain, one candidate after another, then its eta
+        candidates side by side on the slots (and the uniform soup where there is no second slot for it)."""
+        m = self.settings.merge
+        etas = sum(eta != 1.0 for eta in m.etas)
+        waves = (m.top_k - 1) + math.ceil(etas / len(self._slots)) + (m.top_k >= 3 and len(self._slots) == 1)
+        return waves * self.duration.merge_seconds(m.top_k + 1)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -193,7 +216,8 @@ class Scheduler:
                             self._launch(slot, now)
                         except optuna.exceptions.UpdateFinishedTrialError as error:  # finished before it started
                             self._say(f"a round was finished by another worker before it started: {error}")
-                if self._closed is not None and not self._running:
+                self._advance_stage(now)
+                if self._closed is not None and not self._running and self._stage_over:
                     break
                 self._status(now)
                 self.backend.wait(POLL_S)
@@ -210,10 +234,10 @@ class Scheduler:
         base_fits = now + self.duration.eval_seconds() <= self.deadline  # it may use the reserve, not more
         if no_time and not (base_fits and (self._base_due or self._base_waiting())):
             left = _minutes(self.end_of_rounds - now)
-            self._close(f"no time left for a useful round ({left} before the reserve)")
+            self._close(f"no time left for a useful round ({left} before {self._rounds_end()})")
             return
         if self._base_due and base_fits:
-            trial, self._base_due = self._new_base_trial(), False
+            trial, self._base_due = self._new_trial(space.BASE), False
         else:
             trial = self.study.ask()
         trial.set_user_attr("worker", self.worker)
@@ -223,7 +247,7 @@ class Scheduler:
             return
         if no_time:  # another worker took the base a moment ago
             self._tell_failed(trial, "no time left for a useful round", count=False)
-            self._close(f"no time left for a useful round ({_minutes(self.end_of_rounds - now)} before the reserve)")
+            self._close(f"no time left for a useful round ({_minutes(self.end_of_rounds - now)} before {self._rounds_end()})")
             return
         run_dir = self._run_dir(trial)
         try:
@@ -336,6 +360,8 @@ class Scheduler:
             promotable = (attrs.get("format_rate") or 0.0) >= self.settings.min_format_rate
             if not promotable or "promotion_error" in attrs or not attrs.get("merged_dir"):
                 continue
+            if attrs.get("recipe") == space.MERGE and not attrs.get("promoted"):
+                continue  # the stage's guard kept it out: its score is not trusted as a starting point
             if (best is None or t.value > best.value) and self.backend.has_weights(attrs["merged_dir"]):
                 best = t
         if best is None or best.user_attrs.get("recipe") == space.BASE:
@@ -346,10 +372,11 @@ class Scheduler:
         waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         return any(t.user_attrs.get("recipe") == space.BASE for t in waiting)
 
-    def _new_base_trial(self) -> optuna.Trial:
-        """A round 0 claimed at once, ahead of the queue (enqueue_trial would put it behind any waiting warm start).
-        Optuna's public API creates RUNNING trials only through ask(), which pops the queue first: hence its storage."""
-        template = optuna.trial.create_trial(state=TrialState.RUNNING, user_attrs={"recipe": space.BASE})
+    def _new_trial(self, recipe: str) -> optuna.Trial:
+        """A trial of `recipe` (round 0, a merge) claimed at once, ahead of the queue (enqueue_trial would put it behind
+        any waiting warm start). Optuna's public API creates RUNNING trials only through ask(), which pops the queue
+        first: hence its storage."""
+        template = optuna.trial.create_trial(state=TrialState.RUNNING, user_attrs={"recipe": recipe})
         trial_id = self.study._storage.create_new_trial(self.study._study_id, template_trial=template)
         return optuna.trial.Trial(self.study, trial_id)
 
@@ -363,7 +390,7 @@ class Scheduler:
         if allotted < 60.0 * self.settings.round_max_minutes:
             reason = f"no time left for a useful round: {shortest} steps need {needed}"
             self._tell_failed(trial, reason, count=False)
-            self._close(f"no time left for a useful round ({_minutes(allotted)} before the reserve)")
+            self._close(f"no time left for a useful round ({_minutes(allotted)} before {self._rounds_end()})")
             return
         reason = f"too slow: its shortest useful round ({shortest} steps) needs {needed}, more than round_max_minutes"
         trial.set_user_attr("state", RoundState.PRUNED)
@@ -388,7 +415,7 @@ class Scheduler:
         if now >= r.kill_at:
             allotted = _minutes(r.end_by - r.started)
             r.killed = f"killed: still {r.handle.phase()} {_minutes(now - r.end_by)} past its allotment of {allotted}"
-        elif r.handle.phase() == Phase.TRAINING and now - r.last_line_at >= hang_s:
+        elif r.config is not None and r.handle.phase() == Phase.TRAINING and now - r.last_line_at >= hang_s:
             r.killed = f"hung: no progress for {self.settings.hang_minutes:g} min"
         if r.killed:
             r.handle.kill()
@@ -401,7 +428,7 @@ class Scheduler:
     @staticmethod
     def _still_stepping(r: _Round) -> bool:
         """Training, and not yet at its last step (a STOP during the save changes nothing)."""
-        return r.handle.phase() == Phase.TRAINING and r.latest.get("step", 0) < r.config.steps
+        return r.config is not None and r.handle.phase() == Phase.TRAINING and r.latest.get("step", 0) < r.config.steps
 
     def _report(self, r: _Round, step: int, value: float) -> None:
         if r.pruned:
@@ -416,6 +443,9 @@ class Scheduler:
     # ------------------------------------------------------------------ a round ends
     def _finish(self, slot: int, now: float) -> None:
         r = self._running.pop(slot)
+        if r.merge is not None:
+            self._finish_merge(r, now)
+            return
         outcome = r.handle.outcome()
         state, reason = RoundState(outcome.state), outcome.reason
         failure = (outcome.failure or FailureKind.ERROR) if state == RoundState.FAILED else None
@@ -467,8 +497,7 @@ class Scheduler:
         self._count(state)
         score = f"ood {outcome.ood_accuracy:.1f}%, " if outcome.ood_accuracy is not None else ""
         self._say(f"round {r.trial.number} {state}: {score}{reason or 'ok'} after {_minutes(now - r.started)}")
-        if self.on_round_end is not None:
-            self.on_round_end(self.study.get_trials(deepcopy=False)[r.trial.number], outcome)
+        self._round_ended(r.trial, outcome)
 
     def _promote(self, trial: optuna.Trial, outcome: RoundOutcome) -> None:
         began = time.monotonic()  # real seconds (not the clock's): what the check and copy cost, for the overhead
@@ -592,6 +621,185 @@ class Scheduler:
             waiting = f"; waiting for {len(self._running)} running round(s)" if self._running else ""
             self._say(f"no more rounds: {why}{waiting}")
 
+    # ------------------------------------------------------------------ the merge stage
+    def _advance_stage(self, now: float) -> None:
+        """Once the rounds are over (no more start, none still trains): plan the stage, launch its candidates on the
+        free slots while they fit before the reserve, and decide when nothing more runs or can be launched."""
+        if self._closed is None or self._stage_over or any(r.config is not None for r in self._running.values()):
+            return
+        if self._stage is None:
+            self._stage = self._plan_stage()
+            if self._stage is None:
+                self._stage_over = True
+                return
+        for slot in range(len(self._slots)):
+            if slot not in self._running and not self._launch_merge(slot, now):
+                break
+        if not any(r.merge for r in self._running.values()):
+            self._decide_stage()
+
+    def _plan_stage(self) -> merge_stage.MergeStage | None:
+        """The stage over the kept rounds this box could promote, scored on the same rows as the submission."""
+        m, trials = self.settings.merge, self.study.get_trials(deepcopy=False)
+        reference = self._submission_rows(trials)
+        found = []
+        for t in trials:
+            attrs, rows = t.user_attrs, selection.read_rows_attr(t.user_attrs)
+            if t.state != TrialState.COMPLETE or attrs.get("recipe") in (space.BASE, space.MERGE) or rows is None:
+                continue
+            if reference is not None and (rows[0] != reference[0] or len(rows[1]) != len(reference[1])):
+                continue  # scored on other rows: no paired comparison
+            promotable = (attrs.get("format_rate") or 0.0) >= self.settings.min_format_rate
+            if promotable and "promotion_error" not in attrs and self.backend.has_weights(attrs.get("merged_dir", "")):
+                found.append(merge_stage.Ingredient(t.number, attrs["merged_dir"], tuple(rows[1]),
+                                                    int(attrs.get("total_steps", 0))))  # fmt: skip
+        ranked = merge_stage.rank(found, top_k=m.top_k, seed=self.settings.seed, held_out_share=m.held_out_share)
+        if not ranked:
+            self._say("merge stage: no completed round to merge")
+            return None
+        self._stage_ingredients = {i.trial: i for i in ranked}
+        self._say(f"merge stage over rounds {', '.join(str(i.trial) for i in ranked)}, predicted "
+                  f"{_minutes(self.stage_seconds())} of {_minutes(self.end_of_stage - self.clock.now())}")  # fmt: skip
+        return merge_stage.MergeStage(ranked, reference[1] if reference else None, m.etas, m.held_out_share,
+                                      self.settings.seed)  # fmt: skip
+
+    def _submission_rows(self, trials: list[FrozenTrial]) -> tuple[str, list[bool]] | None:
+        number = self._best[1] if self._best else None
+        held = [t for t in trials if t.number == number]
+        return selection.read_rows_attr(held[0].user_attrs) if held else None
+
+    def _launch_merge(self, slot: int, now: float) -> bool:
+        """Start the stage's next candidate on `slot`; False when none is ready or it would not fit in time."""
+        ready = self._stage.ready()
+        if not ready:
+            return False
+        candidate = ready[0]
+        ingredients = [self._stage_ingredients[n] for n in candidate.ingredients]
+        spec = MergeSpec(tuple(i.merged_dir for i in ingredients), self.settings.model_path, candidate.eta)
+        predicted = self.duration.merge_seconds(spec.models_read)
+        if now + predicted > self.end_of_stage:
+            return False
+        trial = self._new_trial(space.MERGE)
+        run_dir, gpus = self._run_dir(trial), self._slots[slot]
+        _set_user_attrs(trial, {
+            "worker": self.worker,
+            HEARTBEAT_ATTR: time.time(),
+            "parent": list(candidate.ingredients),
+            "ingredients": list(candidate.ingredients),
+            "eta": candidate.eta,
+            "merge_kind": candidate.kind,
+            "models_read": spec.models_read,
+            "steps": 0,
+            "predicted_s": round(predicted, 1),
+            "allotted_s": round(self.end_of_stage - now, 1),
+            "run_dir": str(run_dir),
+            "gpus": gpus,
+            "started_at": now,
+        })  # fmt: skip
+        self._stage.launched(candidate)
+        try:
+            handle = self.backend.merge(spec, str(run_dir), gpus)
+        except OSError as error:
+            self._stage.scored(candidate, None)
+            self._tell_failed(trial, f"could not start the merge: {error}")
+            return True
+        self._running[slot] = _Round(trial, None, gpus, handle, now, self.end_of_stage, stop_at=math.inf,
+                                     kill_at=self.end_of_stage, last_line_at=now, merge=candidate)  # fmt: skip
+        self._heartbeat.add(trial)
+        self._say(f"round {trial.number} starts on {_gpus(gpus)}: {_merge_text(candidate)}, predicted "
+                  f"{_minutes(predicted)}")  # fmt: skip
+        return True
+
+    def _finish_merge(self, r: _Round, now: float) -> None:
+        outcome = r.handle.outcome()
+        if r.killed:
+            outcome.state, outcome.reason, outcome.failure = RoundState.FAILED, r.killed, FailureKind.ERROR
+        elif outcome.state.saved and outcome.ood_accuracy is None:
+            outcome.state, outcome.reason = RoundState.FAILED, "the evaluation gave no OOD accuracy"
+        self.duration.observe(None, 0, outcome.timings, models_read=r.trial.user_attrs.get("models_read", 0))
+        scored = outcome.state.saved
+        rows = selection.correctness(outcome.ood_rows) if scored and outcome.ood_rows else None
+        comparable = rows is not None and len(rows) == len(self._stage.ingredients[0].correct)
+        self._stage.scored(r.merge, rows if comparable else None)
+        attrs = {
+            "state": outcome.state,
+            "reason": outcome.reason,
+            "val_accuracy": outcome.val_accuracy,
+            "format_rate": outcome.format_rate,
+            "mean_completion_tokens": outcome.mean_completion_tokens,
+            "steps_done": 0,
+            "duration_s": round(now - r.started, 1),
+            "ended_at": now,
+            "timings": {key: round(float(value), 1) for key, value in outcome.timings.items()},
+            "total_steps": max(i.total_steps for i in (self._stage_ingredients[n] for n in r.merge.ingredients)),
+        }
+        if scored:
+            attrs["merged_dir"] = outcome.merged_dir
+            if outcome.ood_rows:
+                attrs[selection.OOD_ROWS] = selection.rows_attr(outcome.ood_rows)
+        if comparable:
+            attrs["selection_accuracy"] = round(self._stage.selection_accuracy(rows), 2)
+            lead = self._stage.held_out_lead(rows)
+            if lead is not None:
+                attrs["held_out_lead"] = [round(lead.points, 2), round(lead.low, 2), round(lead.high, 2), lead.n]
+        _set_user_attrs(r.trial, attrs)
+        if not comparable:
+            if scored:
+                self._tell(r.trial, outcome.ood_accuracy)
+            else:
+                self._tell(r.trial, state=TrialState.FAIL)
+            self._heartbeat.remove(r.trial)
+            self._say(f"round {r.trial.number} (merge) {outcome.state}: {outcome.reason or 'no comparable rows'}")
+            self._round_ended(r.trial, outcome)
+            return
+        self._pending.append((r.trial, outcome, r.merge))
+        self._say(f"round {r.trial.number} (merge) scored: ood {outcome.ood_accuracy:.1f}%, selection rows "
+                  f"{attrs['selection_accuracy']:.1f}% after {_minutes(now - r.started)}")  # fmt: skip
+        self._drop_beaten_candidates()
+
+    def _drop_beaten_candidates(self) -> None:
+        """Delete the weights of scored candidates that are not the best on the selection rows: only the best can be
+        chosen, and every later candidate is built from the rounds, so disk holds one candidate beside the rounds."""
+        from search.promotion import delete_weights  # late: promotion loads the verifier's protocol
+
+        best = max(self._pending, key=lambda p: p[0].user_attrs.get("selection_accuracy", -1.0))
+        for trial, outcome, _ in self._pending:
+            if trial is not best[0] and outcome.merged_dir and self.backend.has_weights(outcome.merged_dir):
+                delete_weights(trial.user_attrs.get("run_dir"), self.settings.rounds_dir)
+
+    def _decide_stage(self) -> None:
+        """The stage's choice promoted when it passes the guard (search.merge_stage) and the format floor; every scored
+        candidate told."""
+        self._stage_over = True
+        if self._stage is None:
+            return
+        decision = self._stage.decide()
+        for trial, outcome, candidate in self._pending:
+            chosen = decision.chosen is not None and candidate.key == decision.chosen.key
+            trial.set_user_attr("merge_chosen", chosen)
+            if chosen:
+                promote = decision.promote and (outcome.format_rate or 0.0) >= self.settings.min_format_rate
+                why = decision.why if promote or not decision.promote else "its format rate is below min_format_rate"
+                trial.set_user_attr("merge_decision", ("promoted: " if promote else "kept out: ") + why)
+                beats = self._best is None or outcome.ood_accuracy > self._best[0]
+                if promote and beats:
+                    self._promote(trial, outcome)
+                self._say(f"merge stage chose round {trial.number} ({_merge_text(candidate)}): "
+                          f"{trial.user_attrs['merge_decision']}")  # fmt: skip
+        if decision.chosen is None:
+            self._say(f"merge stage: {decision.why}")
+        pending, self._pending = self._pending, []
+        for trial, outcome, _ in pending:
+            if self.on_round_scored is not None:
+                self.on_round_scored(trial, outcome)
+            self._tell(trial, outcome.ood_accuracy)
+            self._heartbeat.remove(trial)
+            self._round_ended(trial, outcome)
+
+    def _round_ended(self, trial: optuna.Trial, outcome: RoundOutcome) -> None:
+        if self.on_round_end is not None:
+            self.on_round_end(self.study.get_trials(deepcopy=False)[trial.number], outcome)
+
     # ------------------------------------------------------------------ sharing the study, resuming
     def _learn_from_history(self) -> None:
         """A resumed search keeps what earlier runs learnt: their timings and their promoted best. A study whose base
@@ -603,12 +811,13 @@ class Scheduler:
         unreadable = 0
         for t in self.study.get_trials(deepcopy=False, states=finished):
             attrs = t.user_attrs
-            if "timings" in attrs and ("config" in attrs or attrs.get("recipe") == space.BASE):
+            if "timings" in attrs and ("config" in attrs or attrs.get("recipe") in (space.BASE, space.MERGE)):
                 recorded = _recorded_round(attrs)
                 if recorded is None:
                     unreadable += 1
                 else:
-                    self.duration.observe(*recorded)
+                    models = attrs.get("models_read", 0) if attrs.get("recipe") == space.MERGE else 0
+                    self.duration.observe(*recorded, models_read=models if isinstance(models, int) else 0)
             if self._into_submission:
                 continue
             if attrs.get("promoted") and t.value is not None and (self._best is None or t.value > self._best[0]):
@@ -676,6 +885,12 @@ class Scheduler:
                 r.trial.set_user_attr("state", RoundState.FAILED)
                 r.trial.set_user_attr("reason", "interrupted: the scheduler stopped during this round")
                 self.study.tell(r.trial, state=TrialState.FAIL)
+        pending, self._pending = self._pending, []
+        for trial, _, _ in pending:  # scored merges the stage had not decided on
+            self._heartbeat.remove(trial)
+            with contextlib.suppress(Exception):
+                trial.set_user_attr("reason", "interrupted: the scheduler stopped before the merge stage decided")
+                self.study.tell(trial, state=TrialState.FAIL)
 
     # ------------------------------------------------------------------ the display
     def _status(self, now: float) -> None:
@@ -686,7 +901,9 @@ class Scheduler:
         self._status_key, self._status_at = key, now
         parts = []
         for r in rounds:
-            if r.handle.phase() == Phase.TRAINING:
+            if r.merge is not None and r.handle.phase() == Phase.TRAINING:
+                text = "building a merge"
+            elif r.handle.phase() == Phase.TRAINING:
                 line = r.latest
                 text = f"step {line.get('step', 0)}/{r.config.steps}"
                 if isinstance(line.get("reward"), (int, float)):
@@ -745,6 +962,11 @@ def _recorded_round(attrs: dict) -> tuple[TrialConfig | None, int, dict[str, flo
     if not all(key in parts and is_number(value) and math.isfinite(value) for key, value in timings.items()):
         return None
     return config, steps, timings
+
+
+def _merge_text(candidate: merge_stage.Candidate) -> str:
+    what = f"{candidate.kind} soup of rounds {'+'.join(map(str, candidate.ingredients))}"
+    return what if candidate.eta == 1.0 else f"{what} at eta {candidate.eta:g} from the base"
 
 
 def _describe(config: TrialConfig) -> str:

@@ -109,6 +109,46 @@ PRUNERS: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
 
 
 @dataclass(frozen=True)
+class MergeSettings:
+    """budget.yaml's `merge` (documented there): the merge stage of search.merge_stage."""
+
+    enabled: bool
+    top_k: int
+    etas: tuple[float, ...]
+    held_out_share: float
+
+
+MERGE_TOP_K_MAX = 16
+MERGE_ETAS_MAX = 8
+MERGE_ETA_MAX = 4.0  # past the soup by three times its change: further is no interpolation any more
+
+
+def _check_merge(key: str, value: Any) -> MergeSettings:
+    fields = [f.name for f in dataclasses.fields(MergeSettings)]
+    validation.mapping(key, value, "merge stage options", error=SettingsError)
+    unknown = validation.unknown_keys(value, fields)
+    if unknown:
+        name = unknown[0]
+        raise SettingsError(f"{key}.{show_key(name)}", f"unknown key{validation.did_you_mean(name, fields)}")
+    missing = [name for name in fields if name not in value]
+    if missing:
+        raise SettingsError(f"{key}.{missing[0]}", "missing (budget.yaml documents every key)")
+    etas = value["etas"]
+    if not isinstance(etas, list) or len(etas) > MERGE_ETAS_MAX:
+        raise SettingsError(f"{key}.etas", f"must be a list of at most {MERGE_ETAS_MAX} numbers, got {show(etas)}")
+    checked = tuple(_number(low=0, high=MERGE_ETA_MAX)(f"{key}.etas[{i}]", eta) for i, eta in enumerate(etas))
+    if len(set(checked)) != len(checked):
+        raise SettingsError(f"{key}.etas", f"each eta once, got {show(etas)}")
+    return MergeSettings(
+        enabled=validation.boolean(f"{key}.enabled", value["enabled"], error=SettingsError),
+        top_k=_integer(low=1, high=MERGE_TOP_K_MAX)(f"{key}.top_k", value["top_k"]),
+        etas=checked,
+        held_out_share=float(validation.number(f"{key}.held_out_share", value["held_out_share"], low=0, high=1,
+                                               low_open=True, high_open=True, error=SettingsError)),
+    )
+
+
+@dataclass(frozen=True)
 class Settings:
     """Every budget.yaml key (documented there). Paths are absolute; `storage` is kept as written."""
 
@@ -138,6 +178,7 @@ class Settings:
     seed: int
     min_format_rate: float
     keep_rounds: int
+    merge: "MergeSettings"
     hang_minutes: float
     duration_prior_scale: float  # resolved for the device the rounds run on (a `{gpu, cpu}` mapping in the file)
     space: dict
@@ -435,6 +476,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "pruner": _factory(PRUNERS),
     "min_format_rate": _number(low=0, high=100),
     "keep_rounds": _integer(low=0),
+    "merge": _check_merge,
 }
 # Checked by TrialConfig, as the fields they set: prune_every, prune_rows, seed (see _check_fixed).
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from search.backend import RoundOutcome
 from search.clock import Clock
+from search.soup import MergeSpec
 from trainer.config import TrialConfig
 from trainer.run_folder import MERGED_DIR, FailureKind, Phase, RoundState
 
@@ -50,6 +51,15 @@ RANDOM_FAILURE = 0.03
 RANDOM_HANG = 0.02
 ROW_BLUR = 0.05  # per model and row: how far a row's difficulty moves for one model (paired rounds differ near it)
 REGRESSION_SHARE = 0.5  # of the way down to a worse configuration's level that a child round goes
+# Merges (search.soup), from the papers' direction and the demo's pilots (issue 32), not from the real model: a soup
+# of near-equal rounds gains up to SOUP_GAIN points, a gain that fades as its ingredients spread apart (one far worse
+# ingredient drags the mean down besides); moving a model from the base by eta keeps 1 - (1 - eta)^2 of its change,
+# plus up to WISE_GAIN points toward the base (WiSE-FT's robustness); every merge adds MERGE_NOISE (sd, points).
+SOUP_GAIN = 1.5
+SOUP_SPREAD = 3.0  # points of spread between the best and worst ingredient that cut the gain to 1/e
+WISE_GAIN = 1.0
+MERGE_NOISE = 0.7
+TRUE_BUILD_MODEL_S = 20.0  # per model a merge reads, on the simulated box
 
 
 class SimulatedBackend:
@@ -78,6 +88,15 @@ class SimulatedBackend:
     def score(self, model_dir: str, run_dir: str, gpus: list[int]) -> "SimulatedRound":
         return SimulatedRound(self, None, random.Random(self._rng.getrandbits(64)), model_dir=model_dir)
 
+    def merge(self, spec: MergeSpec, run_dir: str, gpus: list[int]) -> "SimulatedRound":
+        rng = random.Random(self._rng.getrandbits(64))
+        points = [self.start_point(folder) for folder in spec.ingredients]
+        accuracy = merged_accuracy([a for a, _, _ in points], spec.eta, rng)
+        merged = str(Path(run_dir) / MERGED_DIR)
+        self.remember(merged, accuracy, max(steps for _, steps, _ in points), all(clean for _, _, clean in points))
+        build_s = TRUE_BUILD_MODEL_S * spec.models_read * math.exp(rng.gauss(0.0, 0.05))
+        return SimulatedRound(self, None, rng, model_dir=merged, build_s=build_s)
+
     def has_weights(self, merged_dir: str) -> bool:
         return merged_dir == self.settings.model_path or merged_dir in self._models
 
@@ -96,6 +115,16 @@ class SimulatedBackend:
         """Per ood_val row, whether a model of this noise-free accuracy answers it right."""
         level = accuracy / 100.0
         return [d + rng.gauss(0.0, ROW_BLUR) < level for d in self.row_difficulty]
+
+
+def merged_accuracy(accuracies: list[float], eta: float, rng: random.Random) -> float:
+    """The noise-free-ish accuracy of the merge of models of these `accuracies` moved by `eta` from the base (see
+    SOUP_GAIN): the soup's own, then the move, then one draw of MERGE_NOISE."""
+    soup = sum(accuracies) / len(accuracies)
+    if len(accuracies) > 1:
+        soup += SOUP_GAIN * math.exp(-(max(accuracies) - min(accuracies)) / SOUP_SPREAD)
+    moved = BASE_OOD + (soup - BASE_OOD) * (1 - (1 - eta) ** 2) + WISE_GAIN * 4 * eta * max(0.0, 1 - eta)
+    return _clip(moved + rng.gauss(0.0, MERGE_NOISE))
 
 
 def true_duration(config: TrialConfig, settings) -> float:
@@ -128,10 +157,17 @@ def true_accuracy(config: TrialConfig, step: int, *, start: float = BASE_OOD, st
 
 
 class SimulatedRound:
-    """A GRPO round of `config`, or (config None) only the evaluation of the model at `model_dir`."""
+    """A GRPO round of `config`, or (config None) only the evaluation of the model at `model_dir`, after `build_s`
+    seconds of building it when it is a merge."""
 
     def __init__(
-        self, backend: SimulatedBackend, config: TrialConfig | None, rng: random.Random, *, model_dir: str = ""
+        self,
+        backend: SimulatedBackend,
+        config: TrialConfig | None,
+        rng: random.Random,
+        *,
+        model_dir: str = "",
+        build_s: float = 0.0,
     ):
         self._backend = backend
         self._clock = backend.clock
@@ -142,7 +178,8 @@ class SimulatedRound:
         self._merged = str(Path(config.output_dir) / MERGED_DIR) if config else model_dir
         parts = _true_parts(config, backend.settings)
         noise = lambda sigma: math.exp(rng.gauss(0.0, sigma))  # noqa: E731 - per-part lognormal noise
-        self._setup = parts["setup"] * noise(0.05)
+        self._setup = parts["setup"] * noise(0.05) + build_s  # a merge's build is its setup: no steps follow
+        self._build = build_s
         self._step = parts["step"] * noise(0.05)
         self._inround_eval = parts["inround_eval"] * noise(0.05)
         self._save = parts["save"] * noise(0.05)
@@ -232,7 +269,7 @@ class SimulatedRound:
         steps = self._last_step()
         timings = {"setup": self._setup, "train": self._train_end() - self._started - self._setup, "save": self._save}
         if self._config is None:
-            timings = {}
+            timings = {"build": self._build} if self._build else {}
         if self._killed:
             when, phase = self._killed
             if phase != Phase.EVALUATING:  # the trainer's status died with it

@@ -51,6 +51,7 @@ WARM_START_KEYS = ("init", *SEARCHED_FIELDS)
 # The `recipe` user attribute of a trial: a warm start's name, SAMPLED, or BASE for round 0, which trains nothing and
 # scores the base model (the fallback submission and the reference every round is compared with).
 SAMPLED, BASE = "sampled", "base"
+MERGE = "merge"  # the recipe of the merge stage's candidates (search.merge_stage)
 # The answer_format weight's parameter when accuracy is 0: its choices exclude 0, so a distribution of its own.
 ANSWER_FORMAT_ALONE = "w_answer_format_alone"
 

@@ -23,7 +23,7 @@ from search import scheduler as scheduler_module
 from search.clock import VirtualClock
 from search.duration import DurationModel
 from search.scheduler import GRACE_SHARE, POLL_S, SAFETY_SHARE, Scheduler
-from search.settings import load_settings
+from search.settings import MergeSettings, load_settings
 from search import simulated_backend as simulated
 from search.simulated_backend import SimulatedBackend
 from search.study import open_study
@@ -33,6 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 START = 1_800_000_000.0
 
 
+NO_MERGE = MergeSettings(enabled=False, top_k=4, etas=(0.5, 0.75, 1.25, 1.5), held_out_share=0.5)
+
+
 def make_settings(tmp_path: Path, **overrides):
     settings = load_settings(ROOT / "budget.yaml", hours=3, storage=str(tmp_path / "study.db"))
     values = dict(
@@ -40,6 +43,7 @@ def make_settings(tmp_path: Path, **overrides):
         round_max_minutes=60, hang_minutes=15, ood_rows=None, val_rows=500, prune_every=50, prune_rows=128,
         sampler={"type": "tpe", "seed": 0, "n_startup_trials": 6},
         pruner={"type": "median", "n_startup_trials": 4, "n_warmup_steps": 100},
+        merge=NO_MERGE,  # the rounds' schedule alone; the merge stage's tests turn it on
     )  # fmt: skip
     return dataclasses.replace(settings, **{**values, **overrides})
 
