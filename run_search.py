@@ -4,6 +4,7 @@
     python run_search.py --simulate                   # rehearse the schedule on a virtual clock: no model, data, GPU
     python run_search.py --demo                       # the whole loop on a tiny model and a synthetic box, minutes
     python run_search.py leaderboard                  # print the study's leaderboard
+    python run_search.py merge                        # the merge stage on the study's kept rounds, now
     tail -f search.log                                # every line the search prints, with its time (next to the study)
     optuna-dashboard study.db --artifact-dir artifacts
 
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     request = Request(
         leaderboard=args.command == "leaderboard",
+        merge=args.command == "merge",
         budget=args.budget,
         hours=args.hours,
         storage=args.storage,
@@ -45,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", nargs="?", choices=["leaderboard"], help="print the leaderboard and exit")
+    parser.add_argument("command", nargs="?", choices=["leaderboard", "merge"],
+                        help="leaderboard: print it and exit; merge: run the merge stage on the study's kept rounds "
+                             "(budget.yaml's merge options, even when the stage is off there), then exit")  # fmt: skip
     parser.add_argument("--hours", help="wall-clock budget in hours (default: the budget file's)")
     parser.add_argument("--budget", type=Path, help="budget file (default: budget.yaml; demo_budget.yaml with --demo)")
     parser.add_argument("--storage", help="study storage: a journal file path or an SQLAlchemy URL")

@@ -34,6 +34,7 @@ class Request:
     """What the command line asks for; None takes the budget file's value."""
 
     leaderboard: bool = False  # print the study's leaderboard instead of searching
+    merge: bool = False  # run the merge stage on an existing study's kept rounds instead of searching
     budget: Path | None = None  # default: budget.yaml, or demo_budget.yaml with `demo`
     hours: str | None = None  # the command line's text, checked with the budget
     storage: str | None = None
@@ -94,6 +95,8 @@ def _print_leaderboard(request: Request) -> int:
 
 
 def _search(request: Request, storage: dict[str, str | None], recording: log.Recording) -> int:
+    if request.merge and (request.simulate or request.demo):
+        raise SettingsError("merge", "runs on an existing study; give its --storage and --study-name instead")
     with _reading("budget"):
         settings = _load(request, storage=request.storage or SIMULATED_STORAGE) if request.simulate else _load(request)
     storage["in use"] = settings.storage
@@ -114,6 +117,8 @@ def _search(request: Request, storage: dict[str, str | None], recording: log.Rec
 
     clock = VirtualClock(start=time.time()) if request.simulate else WallClock()
     with _reading("storage"):
+        if request.merge:
+            load_existing_study(settings)  # by hand, the stage merges a study's rounds: it never creates one
         study, deadline = open_study(settings, now=clock.now())
     if request.simulate:
         from search.simulated_backend import SimulatedBackend
@@ -143,6 +148,7 @@ def _search(request: Request, storage: dict[str, str | None], recording: log.Rec
         on_round_end=RoundEnd(settings, study, folder, prune=not request.simulate),
         promote=promote,
         on_round_scored=None if request.simulate else RoundPlot(settings),
+        merge_only=request.merge,
     )
     if not request.simulate:
         from search.verification import keep_a_checker_ready

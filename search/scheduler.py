@@ -126,13 +126,16 @@ class Scheduler:
         promote: PromoteHook | None = None,
         on_round_scored: RoundEndHook | None = None,
         final_check: FinalCheckHook | None = None,
+        merge_only: bool = False,
     ):
         """`promote(outcome, trial) -> bool` is called with a round that beats the best promoted score (None: the
         real promotion into `settings.submission_path`; a simulated search passes a recorder). `on_round_end(trial,
         outcome)` runs after each round is told (search.hooks writes the leaderboard there); `on_round_scored(trial,
         outcome)` just before, with the live trial (search.hooks attaches the round's plot to it: Optuna takes no
         artifact on a finished trial). `final_check(gpus) -> (passed, line)` checks the submission in the reserve
-        (None: the real `search.promotion.final_check` with the real promotion, nothing with a recorder)."""
+        (None: the real `search.promotion.final_check` with the real promotion, nothing with a recorder).
+        `merge_only`: no round starts; the merge stage runs on the study's kept rounds (`run_search.py merge`), with
+        the deadline moved out, if need be, to the stage's predicted time plus the reserve."""
         self.settings = settings
         self.study = study
         self.deadline = deadline
@@ -166,7 +169,8 @@ class Scheduler:
         self._status_at = -math.inf
         self._status_key: tuple = ()
         self._stage: merge_stage.MergeStage | None = None  # the merge stage, once planned
-        self._stage_over = not settings.merge.enabled  # no stage, or it has decided
+        self._merge_only = merge_only
+        self._stage_over = not (settings.merge.enabled or merge_only)  # no stage, or it has decided
         self._stage_ingredients: dict[int, merge_stage.Ingredient] = {}
         # Scored candidates, RUNNING until the stage decides: the chosen one is promoted before it is told.
         self._pending: list[tuple[optuna.Trial, RoundOutcome, merge_stage.Candidate]] = []
@@ -195,6 +199,10 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         self._learn_from_history()
+        if self._merge_only:
+            self._close("the merge stage was asked for by hand")
+            ahead = self.clock.now() + 60.0 * self.settings.reserve_minutes + 2 * self.stage_seconds()
+            self.deadline = max(self.deadline, ahead)
         _LIVE_WORKERS.add(self.worker)
         self._heartbeat.start()
         try:
