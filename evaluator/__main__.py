@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             batched_vision_attention=args.batched_vision_attention,
             folded_gqa_attention=args.folded_gqa_attention,
             wait_for_model=_wait_for_a_line if args.wait_for_input else None,
+            gpu_memory_gb=args.gpu_memory_gb,
         )
     except (DataError, ModelError) as error:
         print(f"evaluator: {error}", file=sys.stderr)
@@ -99,6 +101,16 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
     return value
 
 
@@ -158,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
         help="the language model's query heads attend as rows of their shared key/value head instead of over a "
         "copy of the cache per query head (default: off, transformers' sdpa as the verifier runs it)",
     )
+    parser.add_argument("--gpu-memory-gb", type=_positive_number, metavar="GB",
+                        help="cap each GPU's memory for this process to GB (10^9 bytes), so that a larger card "
+                        "rehearses a smaller one (default: the whole card)")  # fmt: skip
     parser.add_argument("--out", type=Path, nargs="+", metavar="REPORT",
                         help="write each split's JSON report here: one path per split, in their order")  # fmt: skip
     parser.add_argument("--wait-for-input", action="store_true",

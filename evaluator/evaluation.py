@@ -81,6 +81,7 @@ def evaluate_splits(
     folded_gqa_attention: bool = False,
     compiled_decode: bool = True,
     wait_for_model: Callable[[], None] | None = None,
+    gpu_memory_gb: float | None = None,
 ) -> list[dict[str, Any]]:
     """One report per split, in order, from one load of the model: the rows of every split are generated together,
     in one run of length-sorted batches, so a second split costs neither a model load nor another compilation of the
@@ -94,7 +95,8 @@ def evaluate_splits(
     `generate_completions`; ignored on a CPU. `max_new_tokens` other than 256 is not the verifier's protocol: it is
     for quick checks, and the report records it. repeated_kv_cache, batched_vision_attention, folded_gqa_attention:
     see `load_model`; the repeated-KV cache is a static cache's, and folded attention, which reads the ordinary cache
-    in place, needs none.
+    in place, needs none. gpu_memory_gb: each GPU worker's memory is capped to this many GB (10^9 bytes) with
+    `torch.cuda.set_per_process_memory_fraction`, so that a larger card rehearses a smaller one; None: the card's.
     """
     start = time.perf_counter()
     if not splits:
@@ -115,7 +117,7 @@ def evaluate_splits(
     shards = [shard for shard in shards if shard]
     jobs = [
         (model_dir, device, rows.select(shard), batch_size, max_new_tokens, static_cache, repeated_kv_cache,
-         batched_vision_attention, folded_gqa_attention, compiled_decode, len(shards))
+         batched_vision_attention, folded_gqa_attention, compiled_decode, len(shards), gpu_memory_gb)
         for device, shard in zip(devices, shards)
     ]
     if len(jobs) == 1:
@@ -263,10 +265,14 @@ def _run_shard(
     folded_gqa_attention: bool,
     compiled_decode: bool,
     workers: int,
+    gpu_memory_gb: float | None = None,
 ) -> list[Completion]:
     """One worker: load the model on `device` and generate its rows' completions, in their order."""
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(device)  # keeps this process's CUDA context off the other workers' GPUs
+        if gpu_memory_gb is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_memory_gb * 1e9 / total), device)
     elif workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))  # CPU workers share the cores
     model, processor = load_model(model_dir, device, batched_vision_attention, folded_gqa_attention, repeated_kv_cache)

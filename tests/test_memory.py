@@ -20,28 +20,53 @@ def test_checkpointed_layers_follow_transformers_every_n_layers_over_all_checkpo
     assert memory.checkpointed_layers(POSITIONS, 100) == 0
 
 
-def footprint(fixed_gib: float, tokens: int = 4008) -> Footprint:
-    return Footprint(fixed_bytes=fixed_gib * GiB, tokens=tokens, hidden=1536, decoder_positions=POSITIONS)
+def footprint(fixed_gib: float, tokens: int = 4008, completions: int = 8) -> Footprint:
+    return Footprint(fixed_bytes=fixed_gib * GiB, tokens=tokens, hidden=1536, decoder_positions=POSITIONS,
+                     completions=completions)  # fmt: skip
 
 
-def test_a_card_with_room_trains_without_checkpointing():
-    assert memory.choose_interval(footprint(29.6), 139 * GiB) == 0
-
-
-def test_a_card_without_room_for_any_plan_checkpoints_every_layer():
-    assert memory.choose_interval(footprint(29.6), 24 * GiB) == 1
+def test_a_card_with_room_trains_without_checkpointing_in_one_pass():
+    plan = memory.plan(footprint(29.6), 139 * GiB)
+    assert (plan.micro_batches, plan.checkpoint_every, plan.fits) == (1, 0, True)
 
 
 def test_in_between_the_fewest_checkpointed_layers_that_fit():
     fp = footprint(29.6, tokens=6656)
     card = 47.5 * GiB
-    every = memory.choose_interval(fp, card)
-    assert 1 < every < len(POSITIONS)
-    assert memory.peak_bytes(fp, every) <= memory.HEADROOM * card
-    fewer = memory.checkpointed_layers(POSITIONS, every)
+    plan = memory.plan(fp, card)
+    assert plan.micro_batches == 1 and 1 < plan.checkpoint_every < len(POSITIONS)
+    assert plan.peak_bytes == memory.peak_bytes(fp, plan.checkpoint_every) <= memory.HEADROOM * card
+    fewer = memory.checkpointed_layers(POSITIONS, plan.checkpoint_every)
     for other in range(0, 61):  # no interval checkpointing fewer layers fits
         if memory.checkpointed_layers(POSITIONS, other) < fewer:
             assert memory.peak_bytes(fp, other) > memory.HEADROOM * card
+
+
+def test_when_checkpointing_every_layer_is_not_enough_the_step_is_split_into_micro_batches():
+    fp = footprint(29.6, tokens=16 * 832, completions=16)
+    card = 37 * GiB
+    assert memory.peak_bytes(fp, 1) > memory.HEADROOM * card  # one pass does not fit whatever is checkpointed
+    plan = memory.plan(fp, card)
+    assert plan.fits and plan.micro_batches == 2  # the fewest passes that fit, each a divisor of 16
+    assert plan.peak_bytes == memory.peak_bytes(fp, plan.checkpoint_every, 2) <= memory.HEADROOM * card
+    # 12 completions on a card where 2 passes are too few: 3 (a divisor), not 4.
+    twelve = footprint(29.6, tokens=12 * 832, completions=12)
+    assert memory.peak_bytes(twelve, 1, 2) > memory.HEADROOM * 34.5 * GiB
+    assert memory.plan(twelve, 34.5 * GiB).micro_batches == 3
+
+
+def test_a_footprint_no_plan_fits_is_marked_not_fitting_with_its_lowest_estimate():
+    fp = footprint(29.6)
+    plan = memory.plan(fp, 24 * GiB)
+    assert not plan.fits and (plan.micro_batches, plan.checkpoint_every) == (8, 1)
+    assert plan.peak_bytes == min(memory.peak_bytes(fp, every, micro) for every in range(61) for micro in (1, 2, 4, 8))
+
+
+def test_a_configured_interval_is_kept_and_only_the_micro_batches_are_chosen():
+    fp = footprint(29.6, tokens=16 * 832, completions=16)
+    plan = memory.plan(fp, 40 * GiB, every=0)
+    assert plan.checkpoint_every == 0 and plan.fits and plan.micro_batches > 1
+    assert memory.peak_bytes(fp, 0, plan.micro_batches // 2) > memory.HEADROOM * 40 * GiB  # the fewest that fit
 
 
 def test_more_checkpointed_layers_never_raise_the_estimate():
@@ -64,13 +89,14 @@ def test_the_estimate_reproduces_the_measured_2b_peaks():
     fp = memory.footprint(model, lora_targets=None, lora_rank=0, per_device_completions=8, max_pixels=401408,
                           max_completion_length=256, reference_model=False)  # fmt: skip
     assert fp.decoder_positions == POSITIONS
-    measured = Footprint(fp.fixed_bytes, 8 * (245 + 256), fp.hidden, fp.decoder_positions)
+    measured = Footprint(fp.fixed_bytes, 8 * (245 + 256), fp.hidden, fp.decoder_positions, fp.completions)
     assert memory.peak_bytes(measured, 1) / GiB == pytest.approx(31.08, abs=0.05)
     assert memory.peak_bytes(measured, 0) / GiB == pytest.approx(41.06, abs=0.05)
     # The bound at max_pixels (512 image tokens) on a 48 GB card: every layer on 44.4 GiB, every other on 47.5.
-    assert memory.choose_interval(fp, 44.4 * GiB) == 1
-    assert memory.choose_interval(fp, 47.5 * GiB) == 2
-    assert memory.choose_interval(fp, 139 * GiB) == 0
+    assert memory.plan(fp, 44.4 * GiB).checkpoint_every == 1
+    assert memory.plan(fp, 47.5 * GiB).checkpoint_every == 2
+    assert memory.plan(fp, 139 * GiB).checkpoint_every == 0
+    assert {memory.plan(fp, card).micro_batches for card in (44.4 * GiB, 47.5 * GiB, 139 * GiB)} == {1}
 
 
 def test_profile_variants_parse_and_build_valid_configs(tmp_path):

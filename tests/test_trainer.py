@@ -569,8 +569,35 @@ def test_selective_checkpointing_survives_trls_no_grad_pass_and_defaults_resolve
     config = TrialConfig.from_json(write_trial(tmp_path, tiny_model_dir, splits, steps=2, gradient_checkpointing=2))
     result = run_round(config)
     assert result.state == "completed", result.reason
-    assert result.settings == {"liger_kernels": False, "checkpoint_every": 2, "estimated_peak_gb": None}
+    assert result.settings == {"liger_kernels": False, "checkpoint_every": 2, "micro_batches": 1,
+                               "estimated_peak_gb": None}  # fmt: skip
     assert flags == [[True, False], [True, False]]
+
+
+def test_a_plan_of_two_micro_batches_trains_each_step_in_two_passes_of_half_the_completions(
+    tmp_path, tiny_model_dir, splits, monkeypatch
+):
+    """The memory plan's micro-batches are TRL's gradient accumulation: a step's 4 completions (2 prompts x group 2)
+    in 2 passes of 2, the same number of optimizer steps, the generation still covering whole steps."""
+    from trainer import memory, round as round_module
+    from trainer.config import TrialConfig
+    from trainer.rollout import ReplicaGRPOTrainer
+
+    passes: list[int] = []
+    compute_loss = ReplicaGRPOTrainer.compute_loss
+
+    def recording(self, model, inputs, *args, **kwargs):
+        passes.append(int(inputs["completion_ids"].shape[0]))
+        return compute_loss(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(ReplicaGRPOTrainer, "compute_loss", recording)
+    monkeypatch.setattr(round_module, "memory_plan", lambda *args: memory.Plan(2, 0, None, True))
+    config = TrialConfig.from_json(write_trial(tmp_path, tiny_model_dir, splits, steps=2, prompts_per_step=2,
+                                               generation_steps=2))  # fmt: skip
+    result = round_module.run_round(config)
+    assert result.state == "completed", result.reason
+    assert result.steps_done == 2 and result.settings["micro_batches"] == 2
+    assert passes == [2, 2, 2, 2]
 
 
 def test_liger_kernels_bind_to_the_policy_alone(tiny_model_dir):

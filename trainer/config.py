@@ -24,6 +24,7 @@ DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 # Qwen2-VL's image sides are multiples of 28 (patch 14, merge 2): 4 and 16384 merged patches bound the pixels.
 MIN_PIXELS = 4 * 28 * 28
 MAX_PIXELS = 16384 * 28 * 28
+GPU_MEMORY_GB_MAX = 10_000.0  # far above any card
 MAX_CHECKPOINT_INTERVAL = 1024  # an interval past the layer count checkpoints only the first layer
 
 
@@ -84,6 +85,12 @@ class TrialConfig:
         "decoder layers; 1 is true). None: on CUDA the fewest checkpointed layers whose estimated peak fits the card "
         "(trainer/memory.py; every layer when the vision tower trains, whose activations it leaves out), none on CPU. "
         "Fewer checkpointed layers: a faster step, a higher peak (bench/results/2026-12-04-h200.json).",
+        None,
+    )
+    gpu_memory_gb: float | None = _help(
+        "GPU memory the round may use, in GB (10^9 bytes): the card is capped to it "
+        "(torch.cuda.set_per_process_memory_fraction) and the memory plan fits within it, so that a larger card "
+        "rehearses a smaller one. None: the whole card.",
         None,
     )
     liger_kernels: bool = _help(
@@ -169,6 +176,8 @@ class TrialConfig:
                     f"must be true, false, null or a layer interval in [1, {MAX_CHECKPOINT_INTERVAL}], "
                     f"got {show(checkpointing)}",
                 )
+        if self.gpu_memory_gb is not None:
+            _num_range("gpu_memory_gb", self.gpu_memory_gb, 0.0, GPU_MEMORY_GB_MAX, low_open=True)
         validation.boolean("liger_kernels", self.liger_kernels, error=ConfigError)
         validation.boolean("batched_vision_attention", self.batched_vision_attention, error=ConfigError)
         _int_range("lora_rank", self.lora_rank, 0, 1024)

@@ -13,6 +13,11 @@ bench/results/2026-12-03-h200.json: 31.1 GiB with every layer checkpointed, 41.1
 245 + 256 tokens); bench/results/2026-12-04-checkpointing-memory-model.md has the derivation and how well it predicts
 the LoRA peaks. A plan fits when its estimate is at most HEADROOM of the card's memory: the rest is for the CUDA
 context, the allocator's cached blocks and the estimate's error.
+
+What a round may change to fit (`plan`), in this order: checkpoint more decoder layers, then split the step's
+completions into more micro-batches (TRL's gradient accumulation: the same groups and the same optimizer step, each
+forward and backward on a share of the tokens). A round whose every plan is over the card does not fit: the search
+never launches it (search/fit.py predicts the same plan before the launch).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from trainer.config import TrialConfig
+from trainer.policy import lora_target_pattern
 
 # Bytes per token, per hidden unit, per decoder layer; fitted as the module docstring says.
 KEPT_BYTES = 71.4
@@ -38,17 +46,30 @@ class Footprint:
     """What one process holds and computes in a training step, for `peak_bytes`."""
 
     fixed_bytes: float  # weights, gradients, optimizer state, replica and reference model
-    tokens: int  # sequence positions of one step's forward on this process
+    tokens: int  # sequence positions of one step's forward on this process (all its micro-batches together)
     hidden: int  # the language model's hidden size
     decoder_positions: tuple[int, ...]  # each decoder layer's index among the model's checkpointable layers
+    completions: int = 1  # sequences of one step on this process: the micro-batches split them evenly
 
 
-def peak_bytes(footprint: Footprint, every: int) -> float:
-    """The estimated peak with every `every`-th checkpointable layer checkpointed (0: none)."""
+@dataclass(frozen=True)
+class Plan:
+    """How a round trains within its card: `micro_batches` forward/backward passes a step (gradient accumulation),
+    every `checkpoint_every`-th checkpointable layer checkpointed (0: none), and the estimated peak of that."""
+
+    micro_batches: int
+    checkpoint_every: int
+    peak_bytes: float | None  # None: no estimate (a CPU round)
+    fits: bool  # the estimate is within HEADROOM of the card
+
+
+def peak_bytes(footprint: Footprint, every: int, micro_batches: int = 1) -> float:
+    """The estimated peak with every `every`-th checkpointable layer checkpointed (0: none), the step's tokens in
+    `micro_batches` passes."""
     checkpointed = checkpointed_layers(footprint.decoder_positions, every)
     kept = len(footprint.decoder_positions) - checkpointed
     per_token = footprint.hidden * (KEPT_BYTES * kept + CHECKPOINTED_BYTES * checkpointed)
-    return footprint.fixed_bytes + footprint.tokens * per_token
+    return footprint.fixed_bytes + footprint.tokens / micro_batches * per_token
 
 
 def checkpointed_layers(decoder_positions: Sequence[int], every: int) -> int:
@@ -59,16 +80,44 @@ def checkpointed_layers(decoder_positions: Sequence[int], every: int) -> int:
     return sum(1 for position in decoder_positions if position % every == 0)
 
 
-def choose_interval(footprint: Footprint, card_bytes: float) -> int:
-    """The checkpoint interval (0: no checkpointing) with the fewest checkpointed decoder layers whose estimated peak
-    fits HEADROOM x `card_bytes`; every layer (1) when none fits."""
+def plan(footprint: Footprint, card_bytes: float, *, every: int | None = None) -> Plan:
+    """The first plan whose estimated peak fits HEADROOM x `card_bytes`: the fewest micro-batches (divisors of the
+    step's completions) at which some checkpoint interval fits, with the fewest checkpointed decoder layers there;
+    `every` given: that interval only. None fitting: the lowest estimate (every layer, or `every`, one completion a
+    pass), marked as not fitting."""
     budget = HEADROOM * card_bytes
     layers = max(footprint.decoder_positions, default=0) + 1
-    candidates = sorted(range(layers + 1), key=lambda every: checkpointed_layers(footprint.decoder_positions, every))
-    for every in candidates:  # 0 first, then intervals by how many layers they checkpoint
-        if peak_bytes(footprint, every) <= budget:
-            return every
-    return 1
+    by_cost = sorted(range(layers + 1), key=lambda n: checkpointed_layers(footprint.decoder_positions, n))
+    intervals = by_cost if every is None else [every]  # 0 first, then intervals by how many layers they checkpoint
+    splits = [n for n in range(1, footprint.completions + 1) if footprint.completions % n == 0]
+    for micro in splits:
+        for interval in intervals:
+            peak = peak_bytes(footprint, interval, micro)
+            if peak <= budget:
+                return Plan(micro, interval, peak, True)
+    lowest = 1 if every is None else every
+    return Plan(splits[-1], lowest, peak_bytes(footprint, lowest, splits[-1]), False)
+
+
+def fixed_interval(config: TrialConfig) -> int | None:
+    """The checkpoint interval a round's plan must keep: `gradient_checkpointing` as configured (true: 1, false: 0),
+    every layer when the vision tower trains (the estimate leaves its activations out); None: the plan chooses."""
+    if config.gradient_checkpointing is not None:
+        return int(config.gradient_checkpointing)
+    return 1 if config.train_vision_tower else None
+
+
+def round_footprint(config: TrialConfig, model: torch.nn.Module, per_device_completions: int) -> Footprint:
+    """`footprint` of a round of `config` on `model` as loaded (trainer.policy)."""
+    return footprint(
+        model,
+        lora_targets=lora_target_pattern(config),
+        lora_rank=config.lora_rank,
+        per_device_completions=per_device_completions,
+        max_pixels=config.max_pixels,
+        max_completion_length=config.max_completion_length,
+        reference_model=config.full_finetuning and config.beta > 0,
+    )
 
 
 def footprint(model: torch.nn.Module, *, lora_targets: str | None, lora_rank: int, per_device_completions: int,
@@ -99,4 +148,5 @@ def footprint(model: torch.nn.Module, *, lora_targets: str | None, lora_rank: in
         tokens=per_device_completions * (prompt + max_completion_length),
         hidden=text.config.hidden_size,
         decoder_positions=tuple(i for i, layer in enumerate(layers) if id(layer) in decoder),
+        completions=per_device_completions,
     )

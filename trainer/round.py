@@ -39,6 +39,7 @@ from trainer.data import build_ood_subset, build_train_dataset
 from trainer.kernels import apply_liger_kernels, use_liger
 from trainer.layout import BatchLayout, batch_layout
 from trainer.failure import describe_exception
+from trainer.policy import freeze_untrained, lora_target_pattern, policy_dtype
 from trainer.progress import FORMAT_RATE, ProgressCallback, StopRequest, format_rate
 from trainer.rewards import build_reward_funcs
 from trainer.rollout import ReplicaGRPOTrainer, RolloutReplica
@@ -56,9 +57,6 @@ from trainer.run_folder import (
 )
 
 TRL_DIR = "trl"  # the trainer's own output_dir (nothing is checkpointed there: save_strategy "no")
-# The vision tower's linear layers under `train_vision_tower` with LoRA: each block's attention (qkv, proj) and MLP
-# (fc1, fc2), and the merger's MLP (indices 0 and 2 of its Sequential). The patch embedding (a Conv3d) stays frozen.
-VISION_LORA_PATTERN = r"(?:.*\.)?visual\.(?:blocks\.\d+\.(?:attn\.(?:qkv|proj)|mlp\.(?:fc1|fc2))|merger\.mlp\.[02])"
 # Rows per greedy batch in the intermediate evaluation (64 rows of ~300 prompt + 256 new tokens: ~1 GB of KV cache
 # for the 2B model; small next to training memory).
 EVAL_BATCH_SIZE = 32
@@ -74,7 +72,8 @@ class RoundResult:
     output_dir: str = ""
     kind: FailureKind | None = None  # when FAILED
     # How the options left to the round resolved: `liger_kernels` (bool), `checkpoint_every` (0: no gradient
-    # checkpointing, n: every n-th layer), `estimated_peak_gb` (trainer.memory; None off CUDA).
+    # checkpointing, n: every n-th layer), `micro_batches` (passes a step), `estimated_peak_gb` (trainer.memory; None
+    # off CUDA).
     settings: dict[str, Any] = field(default_factory=dict)
 
 
@@ -95,6 +94,7 @@ def run_round(config: TrialConfig) -> RoundResult:
     settings: dict[str, Any] = {}
     try:
         layout = batch_layout(config, distributed.num_processes)
+        cap_gpu_memory(config, distributed.device)
         trainer, progress = _build_trainer(config, layout, start, stop, distributed.device, settings)
         timings["setup"] = time.monotonic() - start
 
@@ -171,13 +171,13 @@ def _build_trainer(
         # traces the layers as they are at the first step, with the adapters TRL puts in after this.
         for layer in model.model.language_model.layers:
             layer.compile(dynamic=True)
-    checkpoint_every, peak = checkpoint_interval(config, model, layout, device)
-    settings.update(liger_kernels=liger, checkpoint_every=checkpoint_every,
-                    estimated_peak_gb=None if peak is None else round(peak / memory.GiB, 2))  # fmt: skip
+    plan = memory_plan(config, model, layout, device)
+    settings.update(liger_kernels=liger, checkpoint_every=plan.checkpoint_every, micro_batches=plan.micro_batches,
+                    estimated_peak_gb=None if plan.peak_bytes is None else round(plan.peak_bytes / memory.GiB, 2))  # fmt: skip
     processor = _training_processor(config)
     if FORMAT_RATE not in config.reward_weights:  # else the configured reward of that name is logged as it
         reward_funcs, reward_weights = reward_funcs + [format_rate], reward_weights + [0.0]
-    args = _grpo_config(config, layout, reward_weights, on_gpu, checkpoint_every)
+    args = _grpo_config(config, layout, reward_weights, on_gpu, plan)
     progress = ProgressCallback(
         config.output_dir,
         reward_names=list(config.reward_weights),
@@ -208,66 +208,48 @@ def _build_trainer(
 
 
 def _load_model(config: TrialConfig, on_gpu: bool) -> Qwen2VLForConditionalGeneration:
-    # GPU: LoRA keeps the frozen base in bfloat16 (peft keeps its adapters in float32) under bf16 autocast. Full
-    # fine-tuning keeps float32 master weights under the same autocast: AdamW steps of ~lr (1e-6 .. 1e-5) are far
-    # below bfloat16's resolution for weights of magnitude ~1e-2 (spacing ~1e-4), so pure-bf16 weights would round
-    # almost every update away. CPU: float32 throughout (no fast bf16 matmuls there).
-    dtype = torch.bfloat16 if on_gpu and not config.full_finetuning else torch.float32
-    model = Qwen2VLForConditionalGeneration.from_pretrained(config.model_path, dtype=dtype, attn_implementation="sdpa")
-    if config.full_finetuning and not config.train_vision_tower:
-        # By default full fine-tuning trains the language model (embeddings, decoder, tied LM head) and freezes the
-        # vision tower and its merger: what a round gains is mostly the answer's format and length (language side),
-        # the OOD test is a different renderer (vision features fitted to the train renderer are the part most likely
-        # to transfer badly), and a frozen tower saves its gradients and AdamW state (~0.6B parameters).
-        # `train_vision_tower` lets the search try the other choice.
-        model.model.visual.requires_grad_(False)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(
+        config.model_path, dtype=policy_dtype(config, on_gpu), attn_implementation="sdpa"
+    )
+    freeze_untrained(model, config)
     return model
 
 
-def checkpoint_interval(
-    config: TrialConfig, model: torch.nn.Module, layout: BatchLayout, device: torch.device
-) -> tuple[int, float | None]:
-    """(every how many layers to checkpoint, 0: none; the estimated peak in bytes of that choice, None off CUDA).
+def card_bytes(config: TrialConfig, device: torch.device) -> float:
+    """The GPU memory the round may use: the card's, or `gpu_memory_gb` when that is less."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return total if config.gpu_memory_gb is None else min(total, config.gpu_memory_gb * 1e9)
 
-    `gradient_checkpointing` as configured (true: 1, false: 0), else chosen by memory on CUDA (trainer.memory), every
-    layer when the vision tower trains (the estimate leaves its activations out), none on CPU."""
+
+def cap_gpu_memory(config: TrialConfig, device: torch.device) -> None:
+    """Make the card behave as one of `gpu_memory_gb` (an H200 rehearsing the box's 48 GB card): the caching
+    allocator refuses to hold more, so a round that would not fit there runs out of memory here too."""
+    if device.type == "cuda" and config.gpu_memory_gb is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_gb * 1e9 / total), device)
+
+
+def memory_plan(config: TrialConfig, model: torch.nn.Module, layout: BatchLayout, device: torch.device) -> memory.Plan:
+    """Micro-batches and checkpointed layers: `gradient_checkpointing` as configured (true: 1, false: 0) with the
+    fewest micro-batches that fit, else chosen by memory (trainer.memory.plan; every layer when the vision tower
+    trains, whose activations the estimate leaves out). On a CPU: one micro-batch, as configured or none, no
+    estimate (peak_bytes None)."""
     configured = config.gradient_checkpointing
     if device.type != "cuda":
-        return (0 if configured is None else int(configured)), None
-    lora = _lora_config(config)
-    footprint = memory.footprint(
-        model,
-        lora_targets=None if lora is None else lora.target_modules,
-        lora_rank=config.lora_rank,
-        per_device_completions=layout.per_device_train_batch_size,
-        max_pixels=config.max_pixels,
-        max_completion_length=config.max_completion_length,
-        reference_model=config.full_finetuning and config.beta > 0,
-    )
-    if configured is not None:
-        every = int(configured)
-    elif config.train_vision_tower:
-        every = 1
-    else:
-        every = memory.choose_interval(footprint, torch.cuda.get_device_properties(device).total_memory)
-    return every, memory.peak_bytes(footprint, every)
+        return memory.Plan(1, 0 if configured is None else int(configured), None, True)
+    footprint = memory.round_footprint(config, model, layout.per_device_train_batch_size)
+    return memory.plan(footprint, card_bytes(config, device), every=memory.fixed_interval(config))
 
 
 def _lora_config(config: TrialConfig) -> LoraConfig | None:
-    if config.full_finetuning:
+    pattern = lora_target_pattern(config)
+    if pattern is None:
         return None
-    # A regex (peft full-matches it against module names) restricted to the language model: Qwen2-VL's vision
-    # blocks use other names today (qkv, proj, fc1, fc2), but a bare name list would also catch any vision module
-    # that shares a name.
-    targets = "|".join(sorted(set(config.lora_targets)))
-    pattern = rf"(?:.*\.)?language_model\.(?:.*\.)?(?:{targets})"
-    if config.train_vision_tower:
-        pattern += "|" + VISION_LORA_PATTERN
     return LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.effective_lora_alpha,
         lora_dropout=config.lora_dropout,
-        target_modules=rf"^(?:{pattern})$",
+        target_modules=pattern,
         bias="none",
     )
 
@@ -285,7 +267,7 @@ def _training_processor(config: TrialConfig) -> Any:
 
 
 def _grpo_config(
-    config: TrialConfig, layout: BatchLayout, reward_weights: list[float], on_gpu: bool, checkpoint_every: int
+    config: TrialConfig, layout: BatchLayout, reward_weights: list[float], on_gpu: bool, plan: memory.Plan
 ) -> GRPOConfig:
     # transformers' "constant" schedule ignores warmup; "constant_with_warmup" is the constant schedule with it.
     schedule = config.lr_schedule
@@ -299,9 +281,10 @@ def _grpo_config(
         warmup_steps=config.warmup_ratio,  # transformers 5: a float below 1 is a ratio of max_steps
         beta=config.beta,
         num_generations=config.num_generations,
-        per_device_train_batch_size=layout.per_device_train_batch_size,
-        gradient_accumulation_steps=1,
-        steps_per_generation=layout.steps_per_generation,
+        # A step's completions in plan.micro_batches passes: TRL counts steps_per_generation in passes.
+        per_device_train_batch_size=layout.per_device_train_batch_size // plan.micro_batches,
+        gradient_accumulation_steps=plan.micro_batches,
+        steps_per_generation=layout.steps_per_generation * plan.micro_batches,
         temperature=config.temperature,
         loss_type=config.loss_type,
         epsilon=config.epsilon,
@@ -310,10 +293,10 @@ def _grpo_config(
         max_completion_length=config.max_completion_length,
         reward_weights=reward_weights,
         bf16=on_gpu,  # GRPOConfig defaults bf16 to True, which on CPU would mean slow bf16 autocast
-        gradient_checkpointing=checkpoint_every > 0,
+        gradient_checkpointing=plan.checkpoint_every > 0,
         # transformers' selective checkpointing; every layer when 1 (trainer.rollout keeps it across TRL's toggling).
-        gradient_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": checkpoint_every}
-        if checkpoint_every > 1
+        gradient_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": plan.checkpoint_every}
+        if plan.checkpoint_every > 1
         else None,
         # Every trainable parameter is used in every step (every prompt has an image, so a trained vision tower is
         # too), so DDP need not search the graph for unused ones (TRL turns that search on for vision-language models).
