@@ -5,6 +5,7 @@
     python run_search.py --demo                       # the whole loop on a tiny model and a synthetic box, minutes
     python run_search.py leaderboard                  # print the study's leaderboard
     python run_search.py merge                        # the merge stage on the study's kept rounds, now
+    python run_search.py check                        # before the search: does a real round fit and train here?
     tail -f search.log                                # every line the search prints, with its time (next to the study)
     optuna-dashboard study.db --artifact-dir artifacts
 
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     request = Request(
         leaderboard=args.command == "leaderboard",
         merge=args.command == "merge",
+        check=args.command == "check",
         budget=args.budget,
         hours=args.hours,
         storage=args.storage,
@@ -47,9 +49,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", nargs="?", choices=["leaderboard", "merge"],
+    parser.add_argument("command", nargs="?", choices=["leaderboard", "merge", "check"],
                         help="leaderboard: print it and exit; merge: run the merge stage on the study's kept rounds "
-                             "(budget.yaml's merge options, even when the stage is off there), then exit")  # fmt: skip
+                             "(budget.yaml's merge options, even when the stage is off there), then exit; check: a "
+                             "preflight of the box (a real 2-step round of the heaviest configuration on each slot, "
+                             "scored on a few rows, the disk, the rounds the budget holds), then exit")  # fmt: skip
     parser.add_argument("--hours", help="wall-clock budget in hours (default: the budget file's)")
     parser.add_argument("--budget", type=Path, help="budget file (default: budget.yaml; demo_budget.yaml with --demo)")
     parser.add_argument("--storage", help="study storage: a journal file path or an SQLAlchemy URL")

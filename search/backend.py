@@ -8,11 +8,14 @@ on a virtual clock. Nothing here blocks: the scheduler polls `done()` and stops 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from search.soup import MergeSpec
 from trainer.config import TrialConfig
 from trainer.run_folder import FailureKind, Phase, RoundState
+
+if TYPE_CHECKING:  # the fit check imports torch; only its type is named here
+    from search.fit import Fit
 
 # Keys of `RoundOutcome.timings`, all measured wall-clock seconds. `DurationModel.observe` fits on these.
 #   setup: launch of the trainer process until its first step (imports and model loading included),
@@ -74,6 +77,10 @@ class Backend(Protocol):
     def merge(self, spec: MergeSpec, run_dir: str, gpus: list[int]) -> RoundHandle:
         """Start a merge candidate: `spec`'s model built into `run_dir`/merged (search.soup), then the evaluations
         of every round; its outcome is COMPLETED with 0 steps and timings `build` and `eval`."""
+
+    def fit(self, config: TrialConfig, gpus: list[int]) -> Fit | None:
+        """The memory plan of a round of `config` on the card of `gpus` (search.fit), before it is started; None when
+        there is nothing to check (the CPU, a card of unknown memory)."""
 
     def has_weights(self, merged_dir: str) -> bool:
         """Whether a round's merged model is still there to start another round from."""

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from search.backend import RoundOutcome
+from search.fit import FitCheck, card_bytes_of
 from search.folders import inside
 from search.soup import SPEC_FILE, MergeSpec
 from trainer.config import TrialConfig
@@ -63,6 +64,7 @@ class LocalBackend:
         self.kill_grace_s = 30.0
         self.threads_per_round = threads_per_round(settings)
         self._rounds: list[LocalRound] = []  # those started, until `wait` sees them done
+        self.fit = FitCheck(lambda: model_config(settings.model_path), card_bytes_of(settings.gpu_memory_gb))
 
     def start(self, config: TrialConfig, gpus: list[int]) -> "LocalRound":
         run_dir = _fresh_run_dir(config.output_dir)
@@ -129,9 +131,18 @@ class LocalBackend:
             command += ["--batch-size", str(s.eval_batch_size)]
         if not s.eval_static_cache:
             command.append("--dynamic-cache")
+        if s.gpu_memory_gb is not None:
+            command += ["--gpu-memory-gb", str(s.gpu_memory_gb)]
         if wait_for_input:
             command.append("--wait-for-input")
         return command, names
+
+
+def model_config(model_path: str):
+    """The base model's config (for the fit check: the architecture, no weights)."""
+    from transformers import AutoConfig  # late: only the first fit check needs it
+
+    return AutoConfig.from_pretrained(model_path)
 
 
 class LocalRound:
@@ -370,7 +381,7 @@ def threads_per_round(settings) -> int | None:
     """CPU threads for each round's processes when several rounds run at once: the cores shared out, since torch
     gives every process as many threads as there are cores and side-by-side rounds then fight over them (their
     GPUs wait on the CPU). None (torch's default) for one round at a time, or when OMP_NUM_THREADS is set."""
-    rounds = (settings.gpus // settings.gpus_per_trial) * settings.rounds_per_slot if settings.gpus else 1
+    rounds = len(settings.slots)
     if rounds <= 1 or "OMP_NUM_THREADS" in os.environ:
         return None
     return max(1, (os.cpu_count() or 1) // rounds)

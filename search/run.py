@@ -35,6 +35,7 @@ class Request:
 
     leaderboard: bool = False  # print the study's leaderboard instead of searching
     merge: bool = False  # run the merge stage on an existing study's kept rounds instead of searching
+    check: bool = False  # the preflight of the box (search.preflight) instead of searching
     budget: Path | None = None  # default: budget.yaml, or demo_budget.yaml with `demo`
     hours: str | None = None  # the command line's text, checked with the budget
     storage: str | None = None
@@ -50,6 +51,8 @@ def run(request: Request, *, prog: str) -> int:
         try:
             if request.leaderboard:
                 return _print_leaderboard(request)
+            if request.check:
+                return _preflight(request)
             return _search(request, storage, recording)
         except InvalidValue as exc:
             log.warn(f"{prog}: error: {exc}")
@@ -92,6 +95,22 @@ def _print_leaderboard(request: Request) -> int:
         board = format_leaderboard(load_existing_study(settings))
     log.say(board)
     return 0
+
+
+def _preflight(request: Request) -> int:
+    if request.simulate:
+        raise SettingsError("check", "checks a real box; --simulate has none (--demo checks the demo's)")
+    with _reading("budget"):
+        settings = _load(request)
+    if request.demo:
+        from synthetic.demo import build_demo
+
+        build_demo(settings.model_path, Path(settings.train_path).parent, settings.seed, say=log.say)
+    with _reading("box"):
+        check_box(settings)
+    from search.preflight import preflight
+
+    return preflight(settings, say=log.say)
 
 
 def _search(request: Request, storage: dict[str, str | None], recording: log.Recording) -> int:

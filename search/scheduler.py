@@ -36,7 +36,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -55,6 +55,9 @@ from trainer.config import ConfigError, TrialConfig
 from trainer.run_folder import FailureKind, Phase, RoundState
 from trainer.validation import InvalidValue, is_number
 
+if TYPE_CHECKING:  # the fit check imports torch; only its type is named here
+    from search.fit import Fit
+
 POLL_S = 5.0  # between two polls of the running rounds at most: a round's process that ends wakes it (Backend.wait)
 HEARTBEAT_S = 60.0  # real seconds between two heartbeats of our running trials; scheduler-clock seconds between sweeps
 # A RUNNING trial whose heartbeat has not moved for this many real seconds belongs to a dead worker. Generous: a
@@ -64,7 +67,7 @@ STATUS_EVERY_S = 60.0  # a status line at least this often while nothing changes
 SAFETY_SHARE = 0.05  # of an allotment, left free when fitting the steps: the prediction's error margin
 GRACE_SHARE = 0.1  # a round may overrun its allotment by this share of it (never into the reserve) before a kill
 MAX_CONSECUTIVE_FAILURES = 5  # then something systematic is broken: stop launching rather than burn the budget
-MAX_CONSECUTIVE_MISFITS = 10  # sampled configurations in a row too slow for round_max: the space does not fit it
+MAX_CONSECUTIVE_MISFITS = 10  # sampled configurations in a row too slow for round_max or too big for the card
 OOD_ROWS_GUESS = 1000  # the brief's ood_val size, for the duration prior when ood_rows is null (all rows)
 # Failures the configuration itself causes: told PRUNED, a bad point TPE learns to avoid, instead of FAIL, which TPE
 # ignores (it models COMPLETE, PRUNED and RUNNING trials only) and so would keep sampling there. The trial's `state`
@@ -150,18 +153,12 @@ class Scheduler:
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         eval_rows = (settings.ood_rows or OOD_ROWS_GUESS) + settings.val_rows
         self.duration = DurationModel(eval_rows=eval_rows, prior_scale=settings.duration_prior_scale)
-        if settings.gpus == 0:
-            self._slots: list[list[int]] = [[]]
-        else:
-            per = settings.gpus_per_trial
-            gpu_sets = [list(range(i * per, (i + 1) * per)) for i in range(settings.gpus // per)]
-            # Round-robin, so that rounds spread over the GPUs before they share one.
-            self._slots = [gpus for _ in range(settings.rounds_per_slot) for gpus in gpu_sets]
+        self._slots = settings.slots
         self._running: dict[int, _Round] = {}  # slot index -> round
         self._closed: str | None = None  # why no more rounds start
         self._failures = 0  # consecutive failed rounds
         self._base_due = False  # round 0 is to be scored next, ahead of the queue (a resumed study, a failed one)
-        self._misfits = 0  # consecutive configurations too slow for any round
+        self._misfits = 0  # consecutive configurations too slow for any round or too big for the card
         self._best: tuple[float, int] | None = None  # (promoted ood accuracy, trial number)
         self._heartbeat = Heartbeat(study._storage, HEARTBEAT_S)
         self._beats: dict[int, tuple[object, float]] = {}  # others' RUNNING trials: (heartbeat, when it last moved)
@@ -263,6 +260,10 @@ class Scheduler:
         except ConfigError as error:  # a sampled combination the trainer would refuse
             self._tell_failed(trial, f"invalid configuration: {error}")
             return
+        fit = self.backend.fit(config, self._slots[slot])
+        if fit is not None and not fit.fits:
+            self._refuse_unfit(trial, fit)
+            return
         init = space.sampled_init(trial)
         parent = self._parent(init)
         config = config.replace(model_path=parent.model_path)
@@ -291,6 +292,7 @@ class Scheduler:
             "run_dir": str(run_dir),
             "gpus": gpus,
             "started_at": now,
+            **(fit.attrs() if fit is not None else {}),
         })  # fmt: skip
         try:
             handle = self.backend.start(config, gpus)
@@ -407,7 +409,17 @@ class Scheduler:
         self._say(f"round {trial.number} not run: {reason}")
         self._misfits += 1
         if self._misfits >= MAX_CONSECUTIVE_MISFITS:
-            self._close(f"{self._misfits} sampled configurations in a row are too slow for round_max_minutes")
+            self._close(f"{self._misfits} sampled configurations in a row do not fit their card or round_max_minutes")
+
+    def _refuse_unfit(self, trial: optuna.Trial, fit: Fit) -> None:
+        """A round no memory plan fits on its card is not launched: told PRUNED without a value (a bad point TPE
+        samples away from), in seconds instead of a model load and an out-of-memory error."""
+        _set_user_attrs(trial, {"state": RoundState.PRUNED, "reason": fit.reason(), **fit.attrs()})
+        self._tell(trial, state=TrialState.PRUNED)
+        self._say(f"round {trial.number} not run: {fit.reason()}")
+        self._misfits += 1
+        if self._misfits >= MAX_CONSECUTIVE_MISFITS:
+            self._close(f"{self._misfits} sampled configurations in a row do not fit their card or round_max_minutes")
 
     def _poll(self, slot: int, now: float) -> None:
         r = self._running[slot]

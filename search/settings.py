@@ -26,7 +26,7 @@ import yaml
 from search import space as space_module
 from search.folders import study_folder, unwritable
 from trainer import validation
-from trainer.config import ConfigError, TrialConfig
+from trainer.config import GPU_MEMORY_GB_MAX, ConfigError, TrialConfig
 from trainer.validation import InvalidValue, show, show_key
 
 # The budget files beside the package folders: an editable install (the README's) runs from the project itself.
@@ -52,6 +52,7 @@ _MANAGED_FIELDS = {
     "eval_rows": "prune_rows",
     "seed": "seed",
     "eval_seed": "seed",
+    "gpu_memory_gb": "gpu_memory_gb",
     **{field: "space" for field in space_module.SEARCHED_FIELDS},
 }
 _PATH_KEYS = ("model_path", "train_path", "val_path", "ood_val_path", "submission_path", "runs_dir")
@@ -158,6 +159,7 @@ class Settings:
     round_max_minutes: float
     gpus: int
     gpus_per_trial: int
+    gpu_memory_gb: float | None
     rounds_per_slot: int
     model_path: str
     train_path: str
@@ -184,6 +186,16 @@ class Settings:
     space: dict
     fixed: dict
     warm_starts: list[dict]
+
+    @property
+    def slots(self) -> list[list[int]]:
+        """The GPU sets rounds run on side by side, each set rounds_per_slot times, round-robin so that rounds spread
+        over the GPUs before they share one; one slot of no GPU on a CPU (one round at a time)."""
+        if self.gpus == 0:
+            return [[]]
+        per = self.gpus_per_trial
+        gpu_sets = [list(range(i * per, (i + 1) * per)) for i in range(self.gpus // per)]
+        return [gpus for _ in range(self.rounds_per_slot) for gpus in gpu_sets]
 
     @property
     def rounds_dir(self) -> str:
@@ -225,6 +237,7 @@ def load_settings(
     values["warm_starts"] = _check_warm_starts(raw["warm_starts"], values["space"])
     settings = Settings(**values)
     _check_consistency(settings)
+    _check_layouts(settings)
     return settings
 
 
@@ -472,6 +485,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "eval_batch_size": _optional(_integer(low=1, high=65536)),
     "eval_static_cache": lambda key, value: validation.boolean(key, value, error=SettingsError),
     "rounds_per_slot": _integer(low=1, high=GPUS_MAX),
+    "gpu_memory_gb": _optional(_number(low=0, high=GPU_MEMORY_GB_MAX, low_open=True)),
     "sampler": _factory(SAMPLERS),
     "pruner": _factory(PRUNERS),
     "min_format_rate": _number(low=0, high=100),
@@ -578,6 +592,23 @@ def _check_consistency(settings: Settings) -> None:
             f"{settings.hours:g} h leaves no room for one round: round_min_minutes ({settings.round_min_minutes:g}) "
             f"+ reserve_minutes ({settings.reserve_minutes:g}) = {needed:g} min",
         )
+
+
+def _check_layouts(settings: Settings) -> None:
+    """Every group size a round may get (the space's, the warm starts') lays out over a round's processes: else every
+    such round would fail in the trainer's batch_layout, minutes into the search."""
+    if settings.gpus == 0 or settings.gpus_per_trial == 1:
+        return
+    prompts = settings.fixed.get("prompts_per_step", TrialConfig.prompts_per_step)
+    groups = set(settings.space["num_generations"])
+    groups |= {start["params"]["num_generations"] for start in settings.warm_starts if "num_generations" in start["params"]}
+    for group in sorted(groups):
+        if (prompts * group) % settings.gpus_per_trial:
+            raise SettingsError(
+                "gpus_per_trial",
+                f"{settings.gpus_per_trial} processes cannot share a step's {prompts * group} completions "
+                f"(prompts_per_step {prompts} x num_generations {group}); choose a divisor of it",
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------- the box

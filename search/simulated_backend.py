@@ -24,6 +24,7 @@ from pathlib import Path
 
 from search.backend import RoundOutcome
 from search.clock import Clock
+from search.fit import FitCheck
 from search.soup import MergeSpec
 from trainer.config import TrialConfig
 from trainer.run_folder import MERGED_DIR, FailureKind, Phase, RoundState
@@ -60,6 +61,13 @@ SOUP_SPREAD = 3.0  # points of spread between the best and worst ingredient that
 WISE_GAIN = 1.0
 MERGE_NOISE = 0.7
 TRUE_BUILD_MODEL_S = 20.0  # per model a merge reads, on the simulated box
+# The simulated box's cards (the user's: 48 GB each) unless the budget sets gpu_memory_gb; rounds are fitted to them
+# (search.fit) with the 2B model's architecture, as on the box.
+CARD_GB = 48.0
+# A round on n GPUs steps 1 + MULTI_GPU_EFFICIENCY x (n - 1) times as fast (data-parallel over NCCL: each GPU
+# generates and trains its share of the step's completions, the gradients are all-reduced). Assumed, not measured:
+# no machine of several GPUs was lent to measure it.
+MULTI_GPU_EFFICIENCY = 0.85
 
 
 class SimulatedBackend:
@@ -81,9 +89,11 @@ class SimulatedBackend:
         self.row_difficulty = [rows.random() for _ in range(settings.ood_rows or OOD_ROWS)]
         # merged_dir -> (noise-free OOD accuracy, total steps from the base, clean format) of every saved model
         self._models: dict[str, tuple[float, int, bool]] = {}
+        card = (settings.gpu_memory_gb or CARD_GB) * 1e9
+        self.fit = FitCheck(_architecture, lambda gpus: card)
 
     def start(self, config: TrialConfig, gpus: list[int]) -> "SimulatedRound":
-        return SimulatedRound(self, config, random.Random(self._rng.getrandbits(64)))
+        return SimulatedRound(self, config, random.Random(self._rng.getrandbits(64)), gpus=len(gpus) or 1)
 
     def score(self, model_dir: str, run_dir: str, gpus: list[int]) -> "SimulatedRound":
         return SimulatedRound(self, None, random.Random(self._rng.getrandbits(64)), model_dir=model_dir)
@@ -129,7 +139,7 @@ def merged_accuracy(accuracies: list[float], eta: float, rng: random.Random) -> 
 
 def true_duration(config: TrialConfig, settings) -> float:
     """The noise-free seconds of a completed, evaluated round (what the DurationModel should learn)."""
-    parts = _true_parts(config, settings)
+    parts = _true_parts(config, settings, settings.gpus_per_trial if settings.gpus else 1)
     evals = config.steps // config.eval_every if config.eval_every else 0
     return parts["setup"] + config.steps * parts["step"] + evals * parts["inround_eval"] + parts["save"] + parts["eval"]
 
@@ -168,6 +178,7 @@ class SimulatedRound:
         *,
         model_dir: str = "",
         build_s: float = 0.0,
+        gpus: int = 1,
     ):
         self._backend = backend
         self._clock = backend.clock
@@ -176,7 +187,7 @@ class SimulatedRound:
         self._started = self._clock.now()
         self._start_point = backend.start_point(config.model_path if config else model_dir)
         self._merged = str(Path(config.output_dir) / MERGED_DIR) if config else model_dir
-        parts = _true_parts(config, backend.settings)
+        parts = _true_parts(config, backend.settings, gpus)
         noise = lambda sigma: math.exp(rng.gauss(0.0, sigma))  # noqa: E731 - per-part lognormal noise
         self._setup = parts["setup"] * noise(0.05) + build_s  # a merge's build is its setup: no steps follow
         self._build = build_s
@@ -336,7 +347,7 @@ class SimulatedRound:
         return line
 
 
-def _true_parts(config: TrialConfig | None, settings) -> dict[str, float]:
+def _true_parts(config: TrialConfig | None, settings, gpus: int = 1) -> dict[str, float]:
     eval_rows = (settings.ood_rows or OOD_ROWS) + settings.val_rows
     evaluation = TRUE_EVAL_LOAD_S + eval_rows * TRUE_EVAL_ROW_S  # one process scores ood and val
     if config is None:  # scoring only
@@ -346,6 +357,7 @@ def _true_parts(config: TrialConfig | None, settings) -> dict[str, float]:
     length = TRUE_COMPLETION_SHARE * config.max_completion_length
     step = (length / config.generation_steps) * decode * (1 + TRUE_BATCH_EFFECT * batch)
     step += config.prompts_per_step * config.num_generations * length * TRUE_TOKEN_S
+    step /= 1 + MULTI_GPU_EFFICIENCY * (gpus - 1)
     return {
         "setup": TRUE_SETUP_S,
         "step": step,
@@ -353,6 +365,12 @@ def _true_parts(config: TrialConfig | None, settings) -> dict[str, float]:
         "save": TRUE_SAVE_S,
         "eval": evaluation,
     }
+
+
+def _architecture():
+    from synthetic.models import build_config  # late: it imports transformers
+
+    return build_config("2b")
 
 
 def _peak_lr(config: TrialConfig) -> float:

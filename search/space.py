@@ -92,6 +92,7 @@ def sample_config(trial: optuna.Trial, settings: "Settings", output_dir: str) ->
         # One seed for every round: rounds then differ by their configuration, not by their luck with data order.
         seed=settings.seed,
         eval_seed=settings.seed,
+        gpu_memory_gb=settings.gpu_memory_gb,
         **settings.fixed,
     )
 
