@@ -1,0 +1,50 @@
+"""The benches of the merge stage and the fit check build what they say, before any long run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from search.settings import load_settings
+
+
+def test_merge_vs_best_budget_keeps_every_round_turns_the_stage_off_and_seeds_the_sampler(tmp_path):
+    from bench.merge_vs_best import seeded_budget
+
+    settings = load_settings(seeded_budget(tmp_path, 7))
+    assert settings.sampler["seed"] == 7 and settings.merge.enabled is False
+    assert settings.keep_rounds >= 1000 and settings.storage == str(tmp_path / "study.db")
+    assert settings.runs_dir == str(tmp_path / "runs") and settings.submission_path == str(tmp_path / "submission")
+
+
+def test_memory_fit_rounds_are_the_space_s_heaviest_and_its_refused_one(tmp_path):
+    from bench import memory_fit
+    from search.fit import FitCheck
+    from synthetic.models import build_config
+
+    check = FitCheck(lambda: build_config("2b"), lambda gpus: 48e9)
+    fits = {}
+    for name in memory_fit.CONFIGS:
+        config = memory_fit.trial_config(name, tmp_path / "m", tmp_path / "t", tmp_path, 20, 48.0)
+        assert config.gpu_memory_gb == 48.0 and config.output_dir == str(tmp_path / name)
+        assert config.prompts_per_step == 2 and config.max_completion_length == 256  # budget.yaml's fixed
+        fits[name] = check(config, [0])
+    assert fits["heaviest_admitted"].fits and not fits["refused_vision_tower"].fits
+    admitted = [f.plan.peak_bytes for name, f in fits.items() if f.fits]
+    assert max(admitted) == fits["heaviest_admitted"].plan.peak_bytes
+
+
+def test_soup_cost_times_a_build_in_a_child_and_reads_its_peak(tmp_path, tiny_model_dir):
+    import shutil
+
+    from bench import soup_cost
+
+    base = shutil.copytree(tiny_model_dir, tmp_path / "model-0")
+    other = shutil.copytree(tiny_model_dir, tmp_path / "model-1")
+    figures = soup_cost.timed_build(base, [other], 1.5, tmp_path / "soup")
+    assert figures["models_read"] == 2 and figures["wall_s"] >= figures["build_s"] > 0
+    assert figures["peak_rss_gb"] > 0
+    assert (tmp_path / "soup" / "merged" / "config.json").is_file()
+    assert json.loads((tmp_path / "soup" / "status.json").read_text())["state"] == "completed"
