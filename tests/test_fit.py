@@ -176,7 +176,7 @@ def test_the_cap_makes_an_allocation_above_it_fail_on_a_gpu():
     from trainer.round import cap_gpu_memory
 
     device = torch.device("cuda:0")
-    cap_gpu_memory(config(gpu_memory_gb=2.0), device)
+    cap_gpu_memory(config(gpu_memory_gb=2.0), torch.device("cuda"))  # as accelerate names it: no index
     try:
         small = torch.empty(int(1e9), dtype=torch.uint8, device=device)  # 1 GB: under the cap
         del small

@@ -225,8 +225,9 @@ def cap_gpu_memory(config: TrialConfig, device: torch.device) -> None:
     """Make the card behave as one of `gpu_memory_gb` (an H200 rehearsing the box's 48 GB card): the caching
     allocator refuses to hold more, so a round that would not fit there runs out of memory here too."""
     if device.type == "cuda" and config.gpu_memory_gb is not None:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_gb * 1e9 / total), device)
+        index = torch.cuda.current_device() if device.index is None else device.index  # accelerate's "cuda" has none
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_gb * 1e9 / total), index)
 
 
 def memory_plan(config: TrialConfig, model: torch.nn.Module, layout: BatchLayout, device: torch.device) -> memory.Plan:
