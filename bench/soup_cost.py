@@ -5,8 +5,10 @@ Qwen2-VL-2B size (random weights, bfloat16, 4.4 GB each), against the size of on
 
 Builds a base and `--ingredients` models once under --work (cached), then times two builds, each in a fresh process
 as the search runs it: the uniform soup of the ingredients (eta 1: the base is not read) and the same soup moved from
-the base (eta 1.25: one model more to read). Peak host memory is the build process's maximum resident set
-(getrusage of the child), which counts the pages of the memory-mapped weight files it touched as well as its own.
+the base (eta 1.25: one model more to read). Host memory, of the build process: its own memory (RssAnon, sampled
+every 0.1 s: the tensors it averages and the shard it writes) apart from the pages of the memory-mapped weight files
+it has read (RssFile: the page cache, clean and given back under memory pressure), and the maximum resident set
+getrusage reports (both together).
 """
 
 from __future__ import annotations
@@ -53,13 +55,32 @@ def timed_build(base: Path, ingredients: list[Path], eta: float, run_dir: Path) 
     pid = os.fork()
     if pid == 0:
         os.execv(sys.executable, [sys.executable, "-m", "search.soup", "--spec", str(spec_path)])
-    _, status, usage = os.wait4(pid, 0)
+    peaks = {"RssAnon": 0, "RssFile": 0}
+    while True:
+        ended, status, usage = os.wait4(pid, os.WNOHANG)
+        if ended:
+            break
+        for key, kb in _rss(pid).items():
+            peaks[key] = max(peaks[key], kb)
+        time.sleep(0.1)
     seconds = time.perf_counter() - began
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"the build failed: {os.waitstatus_to_exitcode(status)}")
     reported = json.loads((run_dir / "status.json").read_text())["timings"]["build"]
     return {"eta": eta, "models_read": len(ingredients) + (eta != 1.0), "wall_s": round(seconds, 1),
-            "build_s": round(reported, 1), "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2)}  # fmt: skip
+            "build_s": round(reported, 1), "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2),
+            "peak_anon_gb": round(peaks["RssAnon"] * 1024 / 1e9, 2),
+            "peak_file_gb": round(peaks["RssFile"] * 1024 / 1e9, 2)}  # fmt: skip
+
+
+def _rss(pid: int) -> dict[str, int]:
+    """RssAnon and RssFile of a live process, in kB (empty once it is gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = (line.split() for line in lines if line.startswith(("RssAnon:", "RssFile:")))
+    return {name.rstrip(":"): int(kb) for name, kb, *_ in fields}
 
 
 def folder_gb(folder: Path) -> float:
@@ -82,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     for b in result["builds"]:
         print(f"eta {b['eta']:g}: {b['models_read']} models read, {b['wall_s']} s ({b['build_s']} s building), "
-              f"peak resident {b['peak_rss_gb']} GB; one model {result['model_gb']} GB")  # fmt: skip
+              f"its own memory at most {b['peak_anon_gb']} GB, mapped weight files {b['peak_file_gb']} GB, peak "
+              f"resident {b['peak_rss_gb']} GB; one model {result['model_gb']} GB")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

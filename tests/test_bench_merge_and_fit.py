@@ -45,6 +45,6 @@ def test_soup_cost_times_a_build_in_a_child_and_reads_its_peak(tmp_path, tiny_mo
     other = shutil.copytree(tiny_model_dir, tmp_path / "model-1")
     figures = soup_cost.timed_build(base, [other], 1.5, tmp_path / "soup")
     assert figures["models_read"] == 2 and figures["wall_s"] >= figures["build_s"] > 0
-    assert figures["peak_rss_gb"] > 0
+    assert figures["peak_rss_gb"] > 0 and figures["peak_anon_gb"] > 0
     assert (tmp_path / "soup" / "merged" / "config.json").is_file()
     assert json.loads((tmp_path / "soup" / "status.json").read_text())["state"] == "completed"

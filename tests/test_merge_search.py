@@ -161,3 +161,16 @@ def test_pruning_keeps_the_ingredients_of_a_running_merge_and_the_submission_s_m
     running.set_user_attr("parent", [0, 2])
     prune_run_dirs(study, keep_rounds=0, rounds_dir=tmp_path / "runs", keep={soup})
     assert [kept(tmp_path, n) for n in rounds] == [True, True, True] and kept(tmp_path, soup)
+
+
+def test_a_later_round_may_start_from_a_merge_that_was_handed_in(tmp_path, monkeypatch):
+    force_decision(monkeypatch, promote=True)
+    scheduler = scheduler_for(tmp_path, merge=MERGE)
+    run(scheduler)
+    (chosen,) = [t for t in merges(scheduler.study) if t.user_attrs["merge_chosen"]]
+    best_round = max(t.value for t in scheduler.study.trials if t.user_attrs.get("recipe") not in ("base", "merge")
+                     and t.value is not None)  # fmt: skip
+    assert chosen.value > best_round and chosen.user_attrs["promoted"] is True  # this seed's stage beats its rounds
+    parent = scheduler._parent("best")
+    assert parent.trial == chosen.number and parent.model_path == chosen.user_attrs["merged_dir"]
+    assert parent.total_steps == chosen.user_attrs["total_steps"]
