@@ -552,6 +552,7 @@ class Scheduler:
                 check=check,
                 copy_tree=promotion.link_tree if own else shutil.copytree,
                 timings=timings,
+                keep_dir=s.rounds_dir,  # what the submission held that no promotion wrote is kept, with the study
             )
         finally:
             if timings:  # where promotion_s went (nothing ran for a refused model)

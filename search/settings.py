@@ -24,7 +24,7 @@ import optuna
 import yaml
 
 from search import space as space_module
-from search.folders import study_folder, unwritable
+from search.folders import inside, overlapping, study_folder, unwritable
 from trainer import validation
 from trainer.config import ConfigError, TrialConfig
 from trainer.validation import InvalidValue, show, show_key
@@ -233,9 +233,10 @@ def check_box(settings: Settings) -> None:
 
     The model folder must be a Qwen2-VL folder with whole weights, `gpus` at most the GPUs this machine shows, the
     data folders must load as splits with rows and the columns `image`, `problem` and `solution` (every solution
-    holding a gold count), and the submission's parent and the runs folder must be writable. Raises BoxError (one
-    line), whatever the folders hold.
+    holding a gold count), and the submission's parent and the runs folder must be writable; no two of the paths may
+    be one folder or hold one another (`_check_overlaps`). Raises BoxError (one line), whatever the folders hold.
     """
+    _check_overlaps(settings)
     with _box_guard("model_path"):
         _check_model_folder(Path(settings.model_path))
     if settings.gpus:
@@ -590,6 +591,30 @@ def _box_guard(key: str) -> Iterator[None]:
         raise
     except Exception as exc:  # noqa: BLE001 - filesystems and libraries raise many types; see the docstring
         raise BoxError(key, f"{type(exc).__name__}: {exc}") from None
+
+
+# The paths of a box, by what the search does there: it replaces the submission, deletes in the runs folder, writes
+# the journal file, and only reads the model and the data. The data splits may share a folder; no other two paths
+# may be one folder or hold one another, or a promotion would move the model aside or the pruning delete a submission.
+_READ_ONLY_PATHS = ("train_path", "val_path", "ood_val_path")
+
+
+def _check_overlaps(settings: Settings) -> None:
+    submission = settings.submission_path
+    if os.path.realpath(submission) == os.path.realpath(os.sep):
+        raise BoxError("submission_path", "is the filesystem root; name a folder of its own")
+    paths = {key: getattr(settings, key) for key in ("submission_path", "runs_dir", "model_path", *_READ_ONLY_PATHS)}
+    if "://" not in settings.storage:
+        paths["storage"] = os.path.abspath(os.path.expanduser(settings.storage))
+    keys = list(paths)
+    for i, key in enumerate(keys):
+        for other in keys[i + 1:]:
+            if key in _READ_ONLY_PATHS and other in _READ_ONLY_PATHS:
+                continue
+            if overlapping(paths[key], paths[other]):
+                same = os.path.realpath(paths[key]) == os.path.realpath(paths[other])
+                how = "is the same as" if same else "holds" if inside(paths[other], paths[key]) else "is inside"
+                raise BoxError(key, f"{paths[key]} {how} {other} ({paths[other]}); give each its own place")
 
 
 # Weights of a `save_pretrained` folder: one file, or shards named by an index.

@@ -520,6 +520,26 @@ CASES = [
     box_case("submission_lock_is_a_symlink", lock_symlink, "submission_path: {tmp}/app/.submission.lock is a symlink"),
     box_case("runs_dir_not_writable", None, "runs_dir: /proc is not writable", budget={"runs_dir": "/proc/runs"}),
     box_case("runs_dir_under_a_file", write("blocker", ""), "runs_dir: {tmp}/blocker is not a folder", budget={"runs_dir": lambda t: str(t / "blocker" / "runs")}),  # noqa: E501
+    # --- the box: no two paths in one place
+    box_case("submission_is_the_root", None, "submission_path: is the filesystem root", budget={"submission_path": "/"}),  # noqa: E501
+    box_case("submission_is_the_runs_dir", None, "submission_path: {tmp}/app/submission is the same as runs_dir ({tmp}/app/submission)", budget={"runs_dir": lambda t: str(t / "app" / "submission")}),  # noqa: E501
+    box_case("submission_inside_the_runs_dir", None, "submission_path: {tmp}/app/submission is inside runs_dir ({tmp}/app)", budget={"runs_dir": lambda t: str(t / "app")}),  # noqa: E501
+    box_case("submission_holds_the_runs_dir", None, "submission_path: {tmp}/app/submission holds runs_dir ({tmp}/app/submission/runs)", budget={"runs_dir": lambda t: str(t / "app" / "submission" / "runs")}),  # noqa: E501
+    box_case("submission_is_the_model", None, "submission_path: {tmp}/model is the same as model_path ({tmp}/model)", budget={"submission_path": lambda t: str(t / "model")}),  # noqa: E501
+    box_case("submission_holds_the_model", None, "submission_path: {tmp} holds model_path ({tmp}/model)", budget={"submission_path": lambda t: str(t), "runs_dir": lambda t: f"{t}-runs"}),  # noqa: E501
+    box_case("submission_a_symlink_to_the_model", lambda t: (t / "link").symlink_to(t / "model"), "submission_path: {tmp}/link is the same as model_path", budget={"submission_path": lambda t: str(t / "link")}),  # noqa: E501
+    box_case("submission_holds_the_data", None, "submission_path: {tmp}/app holds train_path ({tmp}/app/train)", budget={"submission_path": lambda t: str(t / "app"), "train_path": lambda t: str(t / "app" / "train")}),  # noqa: E501
+    box_case("submission_is_the_ood_data", None, "submission_path: {tmp}/app/submission is the same as ood_val_path", budget={"ood_val_path": lambda t: str(t / "app" / "submission")}),  # noqa: E501
+    box_case("submission_holds_the_storage", None, "submission_path: {tmp}/app/submission holds storage ({tmp}/app/submission/study.db)", args=("--storage", "{tmp}/app/submission/study.db")),  # noqa: E501
+    box_case("runs_dir_is_the_model", None, "runs_dir: {tmp}/model is the same as model_path", budget={"runs_dir": lambda t: str(t / "model")}),  # noqa: E501
+    box_case("runs_dir_holds_the_model", None, "runs_dir: {tmp} holds model_path ({tmp}/model)", budget={"runs_dir": lambda t: str(t), "submission_path": lambda t: f"{t}-submission"}),  # noqa: E501
+    box_case("runs_dir_inside_the_model", None, "runs_dir: {tmp}/model/runs is inside model_path ({tmp}/model)", budget={"runs_dir": lambda t: str(t / "model" / "runs")}),  # noqa: E501
+    box_case("runs_dir_holds_the_data", None, "runs_dir: {tmp}/r holds val_path ({tmp}/r/val)", budget={"runs_dir": lambda t: str(t / "r"), "val_path": lambda t: str(t / "r" / "val")}),  # noqa: E501
+    box_case("runs_dir_holds_the_storage", None, "runs_dir: {tmp}/r holds storage ({tmp}/r/study.db)", budget={"runs_dir": lambda t: str(t / "r")}, args=("--storage", "{tmp}/r/study.db")),  # noqa: E501
+    box_case("model_holds_the_data", None, "model_path: {tmp}/model holds train_path ({tmp}/model/train)", budget={"train_path": lambda t: str(t / "model" / "train")}),  # noqa: E501
+    box_case("model_holds_the_storage", None, "model_path: {tmp}/model holds storage ({tmp}/model/study.db)", args=("--storage", "{tmp}/model/study.db")),  # noqa: E501
+    box_case("data_holds_the_storage", None, "train_path: {tmp}/d holds storage ({tmp}/d/study.db)", budget={"train_path": lambda t: str(t / "d")}, args=("--storage", "{tmp}/d/study.db")),  # noqa: E501
+    box_case("submission_through_dot_dot_is_the_runs_dir", None, "submission_path: {tmp}/runs is the same as runs_dir", budget={"submission_path": lambda t: str(t / "app" / ".." / "runs"), "runs_dir": lambda t: str(t / "runs")}),  # noqa: E501
     # --- the storage
     box_case("storage_random_bytes", write("study.db", bytes(range(256)) * 8), "storage: study.db is not an Optuna journal file"),  # noqa: E501
     box_case("storage_sqlite_file", lambda t: ((t / "study.db").unlink(), sqlite_file(t / "study.db")), "storage: study.db is not an Optuna journal file (it is an SQLite database: use --storage sqlite:///study.db)"),  # noqa: E501
