@@ -16,6 +16,7 @@ import fcntl
 import math
 import os
 import re
+import shutil
 import time
 import urllib.parse
 import warnings
@@ -28,6 +29,7 @@ from optuna.trial import TrialState
 
 from search import space
 from search.folders import unwritable
+from search.log import warn
 from search.settings import HOURS_MAX, PRUNERS, SAMPLERS, Settings
 from trainer.validation import InvalidValue, is_number, one_line, show
 
@@ -102,9 +104,65 @@ def _open_journal(storage: str, *, create: bool) -> optuna.storages.JournalStora
         why = getattr(exc, "strerror", None) or exc
         raise StudyError("storage", f"cannot open the journal file {storage}: {why}") from None
     try:
-        return optuna.storages.JournalStorage(backend)  # replays the whole file
+        journal = optuna.storages.JournalStorage(backend)  # replays the whole file, but a torn last line
     except Exception as exc:  # noqa: BLE001 - a file of other bytes fails the replay with any type
         raise StudyError("storage", f"{storage} is not an Optuna journal file ({type(exc).__name__}: {exc})") from None
+    if create:  # a search appends: its torn last line goes first; a read (the leaderboard) skips it as Optuna does
+        try:
+            repair_torn_tail(path)
+        except OSError as exc:
+            raise StudyError("storage", f"cannot repair the torn last line of {storage}: {exc.strerror}") from None
+    return journal
+
+
+def repair_torn_tail(path: Path) -> Path | None:
+    """Cut a journal file's torn last line (a process killed while appending leaves it without its newline), after
+    keeping the whole file as `<name>.torn-<time>`; returns that copy, or None when the file ends in a whole line.
+
+    Optuna's reader skips a torn last line, but its writer appends after it, which makes a line no reader can parse
+    and every study in the file unreadable. Done under the journal's lock, which every append holds, so a line still
+    being written by a live worker is never taken for a torn one."""
+    lock = JournalFileFlock(str(path))
+    lock.acquire()
+    try:
+        with path.open("r+b") as journal:
+            size = journal.seek(0, os.SEEK_END)
+            if size == 0 or _byte_at(journal, size - 1) == b"\n":
+                return None
+            whole = _end_of_last_whole_line(journal, size)
+            copy = path.with_name(f"{path.name}.torn-{time.strftime('%Y%m%d-%H%M%S')}")
+            journal.seek(0)
+            with copy.open("xb") as kept:
+                shutil.copyfileobj(journal, kept)
+                kept.flush()
+                os.fsync(kept.fileno())
+            journal.truncate(whole)
+            journal.flush()
+            os.fsync(journal.fileno())
+    finally:
+        lock.release()
+    warn(f"warning: {path}'s last line was torn (a kill while it was written): cut its last {size - whole} bytes, "
+         f"the file as it was kept in {copy}")  # fmt: skip
+    return copy
+
+
+def _byte_at(journal, offset: int) -> bytes:
+    journal.seek(offset)
+    return journal.read(1)
+
+
+def _end_of_last_whole_line(journal, size: int) -> int:
+    """The offset just after the last newline of the file (0 when it has none), read backwards in blocks."""
+    block = 1 << 16
+    end = size
+    while end > 0:
+        start = max(0, end - block)
+        journal.seek(start)
+        newline = journal.read(end - start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0
 
 
 class JournalFileFlock(BaseJournalFileLock):
@@ -170,6 +228,7 @@ def open_study(settings: Settings, *, now: float) -> tuple[optuna.Study, float]:
             f"the study {settings.study_name!r} in {redact(settings.storage)} optimizes {directions}, not maximize; "
             "pick another --study-name",
         )
+    _check_space_unchanged(study, settings)
     deadline = _deadline(study, settings, now)
     if deadline is None and _wait_for_deadline(study):
         deadline = _deadline(study, settings, now)
@@ -180,6 +239,34 @@ def open_study(settings: Settings, *, now: float) -> tuple[optuna.Study, float]:
         _set_up(study, settings, now)
         deadline = _deadline(study, settings, now)  # another worker finishing it at the same moment may have won
     return study, deadline
+
+
+def _check_space_unchanged(study: optuna.Study, settings: Settings) -> None:
+    """A choice list of `space` edited since the study sampled from it, or a queued trial's value no longer among the
+    choices, is refused here in one line naming the key: Optuna would refuse it at the round's first suggestion (its
+    storage compares each parameter with the first trial that recorded it), leaving a RUNNING trial. Ranges may
+    change: Optuna records their bounds per trial."""
+    expected = space.choice_distributions(settings.space)
+    first: dict[str, optuna.distributions.BaseDistribution] = {}
+    for t in study.get_trials(deepcopy=False):
+        for name, recorded in t.distributions.items():
+            first.setdefault(name, recorded)
+        if t.state == TrialState.WAITING:
+            for name, value in t.system_attrs.get("fixed_params", {}).items():
+                if name in expected and value not in expected[name][1].choices:
+                    key, now = expected[name]
+                    raise StudyError(f"space.{key}", f"queued trial {t.number} ({t.user_attrs.get(RECIPE_ATTR)}) has "
+                                                     f"{name} {show(value)}, no longer one of {list(now.choices)}; "
+                                                     f"{_EDITED_SPACE_HELP}")  # fmt: skip
+    for name, recorded in first.items():
+        if name in expected and recorded != expected[name][1]:
+            key, now = expected[name]
+            was = list(recorded.choices) if hasattr(recorded, "choices") else type(recorded).__name__
+            raise StudyError(f"space.{key}", f"the study {settings.study_name!r} sampled {name} from {show(was)}, the "
+                                             f"budget now gives {list(now.choices)}; {_EDITED_SPACE_HELP}")  # fmt: skip
+
+
+_EDITED_SPACE_HELP = "a study keeps its choice lists: restore the list, or start a new study (--study-name)"
 
 
 def _set_up(study: optuna.Study, settings: Settings, now: float) -> float:

@@ -183,6 +183,19 @@ def existing_study(**kwargs) -> Callable[[Path], None]:
     return make
 
 
+def sampled_study(**choices: list) -> Callable[[Path], None]:
+    """A study of this search (a deadline) whose one finished round sampled each parameter from `choices`."""
+
+    def make(box: Path) -> None:
+        study = optuna.create_study(storage=journal(box / "study.db"), study_name="count-grpo", direction="maximize")
+        distributions = {name: optuna.distributions.CategoricalDistribution(c) for name, c in choices.items()}
+        study.add_trial(optuna.trial.create_trial(value=1.0, params={name: c[0] for name, c in choices.items()},
+                                                  distributions=distributions, user_attrs={"recipe": "sampled"}))
+        study.set_user_attr("deadline", 4e9)
+
+    return make
+
+
 def write(path: str, content: str | bytes) -> Callable[[Path], None]:
     def make(box: Path) -> None:
         target = box / path
@@ -564,6 +577,11 @@ CASES = [
     box_case("study_not_made_by_this_search", existing_study(foreign_trial=True), "was not created by this search (no deadline)"),  # noqa: E501
     box_case("study_deadline_text", existing_study(attrs={"deadline": "tomorrow"}), "study_name: the study 'count-grpo' has a deadline this search cannot have set ('tomorrow')"),  # noqa: E501
     box_case("study_deadline_1e300", existing_study(attrs={"deadline": 1e300}), "has a deadline this search cannot have set (1e+300)"),  # noqa: E501
+    box_case("space_choice_removed_since_the_study_sampled", sampled_study(lora_rank=[0, 16, 64]), "space.lora_rank: the study 'count-grpo' sampled lora_rank from [0, 16, 64], the budget now gives [0, 16]", budget={"space.lora_rank": [0, 16], "warm_starts.0.params.lora_rank": 16}),  # noqa: E501
+    box_case("space_choice_added_since_the_study_sampled", sampled_study(phrasing=["eval", "inherited"]), "space.phrasing: the study 'count-grpo' sampled phrasing from ['eval', 'inherited']"),  # noqa: E501
+    box_case("space_reward_weights_edited_since_the_study_sampled", sampled_study(w_think_format=[0.0, 1.0]), "space.reward_weights.think_format: the study 'count-grpo' sampled w_think_format from [0.0, 1.0]"),  # noqa: E501
+    box_case("space_answer_format_alone_edited", sampled_study(w_answer_format_alone=[0.5, 1.0]), "space.reward_weights.answer_format: the study 'count-grpo' sampled w_answer_format_alone from [0.5, 1.0]"),  # noqa: E501
+    box_case("space_init_pinned_since_the_study_sampled", sampled_study(init=["base", "best"]), "space.init: the study 'count-grpo' sampled init from ['base', 'best'], the budget now gives ['base']", budget={"space.init": ["base"]}),  # noqa: E501
     box_case("study_deadline_nan", existing_study(attrs={"deadline": float("nan")}), "has a deadline this search cannot have set (nan)"),  # noqa: E501
 ]  # fmt: skip
 
