@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from search import log
+from search import interrupts, log
 from search.settings import BUDGET, DEMO_BUDGET, Settings, SettingsError, check_box, load_settings
 from search.study import load_existing_study, open_study, redact
 from trainer.validation import InvalidValue
@@ -44,9 +44,10 @@ class Request:
 
 
 def run(request: Request, *, prog: str) -> int:
-    """Do what `request` asks; the exit code (0, 1 a failure, 2 bad input, 130 interrupted)."""
+    """Do what `request` asks; the exit code (0, 1 a failure, 2 bad input, 130 Ctrl-C, 143 SIGTERM, 141 a search's
+    stdout closed; a leaderboard whose reader stopped reading ends with 0)."""
     storage = {"in use": request.storage}  # the storage whose password no line may show, once the budget is read
-    with log.recording(lambda text: redact(text, storage["in use"])) as recording:
+    with interrupts.handled(), log.recording(lambda text: redact(text, storage["in use"])) as recording:
         try:
             if request.leaderboard:
                 return _print_leaderboard(request)
@@ -57,6 +58,15 @@ def run(request: Request, *, prog: str) -> int:
         except Exception:  # not bad input: a failure during the search, shown whole
             log.warn(traceback.format_exc().rstrip("\n"))
             return 1
+        except interrupts.OutputClosed:
+            if request.leaderboard:
+                return 0
+            log.warn(f"{prog}: stdout was closed: the search stopped, its rounds were ended; the same command resumes it")
+            return interrupts.exit_code(interrupts.OutputClosed())
+        except KeyboardInterrupt as interrupt:  # at any point: set-up, a round's launch, a promotion, the leaderboard
+            what = "terminated" if isinstance(interrupt, interrupts.Terminated) else "interrupted"
+            log.warn(f"{prog}: {what}: running rounds were ended; the study and the submission are as they were")
+            return interrupts.exit_code(interrupt)
 
 
 class _InputError(InvalidValue):
@@ -156,9 +166,6 @@ def _search(request: Request, storage: dict[str, str | None], recording: log.Rec
         keep_a_checker_ready()  # the first promotion's check finds its interpreter started
     try:
         scheduler.run()
-    except KeyboardInterrupt:
-        log.warn("interrupted: running rounds were ended; the study and the submission are as they were")
-        return 130
     finally:
         if not request.simulate:
             keep_a_checker_ready(False)
