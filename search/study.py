@@ -65,7 +65,7 @@ def open_storage(storage: str, *, create: bool = True) -> optuna.storages.BaseSt
 def _open_database(url: str) -> optuna.storages.RDBStorage:
     authority = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
     if authority.count("@") > 1:  # SQLAlchemy would take the rest of the password for the host, and print it
-        raise StudyError("storage", f"{redact(url)}: the password holds an unencoded '@'; write it as %40")
+        raise StudyError("storage", f"{_shown(url)}: the password holds an unencoded '@'; write it as %40")
     full_url = _with_driver(url)
     attempt = 0
     while True:
@@ -76,12 +76,12 @@ def _open_database(url: str) -> optuna.storages.RDBStorage:
             # loser's CREATE fails with "already exists". The creation checks first, so a retry finds them.
             attempt += 1
             if "already exists" not in str(exc) or attempt >= SCHEMA_ATTEMPTS:
-                raise StudyError("storage", f"cannot open {redact(url)}: {redact(one_line(exc), url)}") from None
+                raise StudyError("storage", f"cannot open {_shown(url)}: {redact(one_line(exc), url)}") from None
             time.sleep(0.5 * attempt)
 
 
 def _open_journal(storage: str, *, create: bool) -> optuna.storages.JournalStorage:
-    path = Path(storage).expanduser()
+    path = Path(storage)  # its `~` was expanded with the settings (search.settings), once
     try:
         if path.exists():
             if not path.is_file():  # a folder; a FIFO would block the journal's open forever
@@ -225,7 +225,7 @@ def open_study(settings: Settings, *, now: float) -> tuple[optuna.Study, float]:
         directions = [d.name.lower() for d in study.directions]
         raise StudyError(
             "study_name",
-            f"the study {settings.study_name!r} in {redact(settings.storage)} optimizes {directions}, not maximize; "
+            f"the study {settings.study_name!r} in {_shown(settings.storage)} optimizes {directions}, not maximize; "
             "pick another --study-name",
         )
     _check_space_unchanged(study, settings)
@@ -340,7 +340,7 @@ def load_existing_study(settings: Settings) -> optuna.Study:
     storage = open_storage(settings.storage, create=False)
     if _existing_trials(storage, settings.study_name) is None:
         names = [s.study_name for s in storage.get_all_studies()]
-        raise StudyError("study_name", f"no study {settings.study_name!r} in {redact(settings.storage)}; "
+        raise StudyError("study_name", f"no study {settings.study_name!r} in {_shown(settings.storage)}; "
                                        f"it holds {show(names)}")  # fmt: skip
     return optuna.load_study(storage=storage, study_name=settings.study_name)
 
@@ -384,7 +384,7 @@ def _with_driver(url: str) -> str:
         return f"postgresql+psycopg://{rest}"
     if importlib.util.find_spec("psycopg2") is not None:
         return f"postgresql+psycopg2://{rest}"
-    raise StudyError("storage", f"no PostgreSQL driver for {redact(url)}: pip install psycopg2-binary")
+    raise StudyError("storage", f"no PostgreSQL driver for {_shown(url)}: pip install psycopg2-binary")
 
 
 def _engine_kwargs(url: str) -> dict:
@@ -395,6 +395,8 @@ def _engine_kwargs(url: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------- secrets
+# Query parameters that carry a password (libpq and the MySQL drivers read them).
+_SECRET_PARAMETERS = ("password", "passwd", "pwd", "pass", "sslpassword", "secret", "token")
 # The password of a URL: the user info's part after its first colon, up to the last '@' of the host part (a raw '@'
 # in a password is common, and must not leak its tail); and query parameters that carry one (libpq reads them).
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/?#@\s]*):(?P<password>[^/?#\s]*)@")
@@ -402,6 +404,31 @@ _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/?#@\
 _SECRET_QUERY = re.compile(
     r"(?i)(?P<name>[?&;](?:password|passwd|pwd|pass|sslpassword|secret|token)=)(?:[^&#\s:]|:(?!\s|$))*"
 )
+
+
+def _parsed_secrets(storage: str) -> list[str]:
+    """The password of `storage` as SQLAlchemy reads it (every character up to the host's '@': '/', '#', '?' and
+    spaces included), as written and decoded, and the values of its password parameters."""
+    from sqlalchemy.engine import make_url  # late: SQLAlchemy is slow to import, and only a URL needs it
+
+    try:
+        url = make_url(storage)
+    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy reads: the patterns above are all there is
+        return []
+    found = []
+    if url.password:
+        found.append(str(url.password))
+        userinfo = storage.split("://", 1)[1].split("@", 1)[0]
+        found.append(userinfo.partition(":")[2])  # as written, %-encoded
+    for name, value in url.query.items():
+        if name.lower() in _SECRET_PARAMETERS:
+            found += [value] if isinstance(value, str) else list(value)
+    return found
+
+
+def _shown(storage: str) -> str:
+    """A storage as a line may show it: its own password, whatever characters it holds, replaced."""
+    return redact(storage, storage)
 
 
 def redact(text: str, storage: str | None = None) -> str:
@@ -418,6 +445,7 @@ def _secrets(storage: str | None) -> list[str]:
         return []
     found = [m.group("password") for m in _USERINFO.finditer(storage)]
     found += [m.group(0).split("=", 1)[1] for m in _SECRET_QUERY.finditer(storage)]
+    found += _parsed_secrets(storage)
     found += [urllib.parse.unquote(secret) for secret in found]
     # Longest first, so that a password's tail is not replaced before the whole of it; a very short one would only
     # garble the line.

@@ -268,6 +268,15 @@ CASES = [
     cli("study_name_too_long", ("--study-name", LONG), "study_name: must be at most 128 characters, got 300"),
     cli("study_name_with_a_newline", ("--study-name", "a\nb"), "study_name: must not hold control characters"),
     cli("study_name_with_a_nul", ("--study-name", "a\0b"), "study_name: must not hold control characters"),
+    cli("study_name_with_a_nel", ("--study-name", "a\x85b"), "study_name: must not hold control characters"),
+    cli("study_name_with_a_csi", ("--study-name", "a\x9b31mb"), "study_name: must not hold control characters"),
+    cli("study_name_with_a_line_separator", ("--study-name", "a\u2028b"), "study_name: must not hold control characters"),  # noqa: E501
+    cli("study_name_with_an_escape", ("--study-name", "a\x1b[2Jb"), "study_name: must not hold control characters"),
+    cli("study_name_not_utf8", ("--study-name", "comptage-\udce9t\udce9"), "study_name: must be UTF-8 text", subprocess=True),  # noqa: E501
+    cli("storage_not_utf8", ("--storage", "st\udcffudy.db"), "storage: must be UTF-8 text", subprocess=True),
+    cli("budget_under_the_home_folder_missing", ("--budget", "~/no-such-budget-file.yaml"), f"budget: cannot read {Path('~/no-such-budget-file.yaml').expanduser()}: no such file"),  # noqa: E501
+    value("study_name_in_the_budget_with_a_c1_control", {"study_name": "count\x9fgrpo"}, "study_name: must not hold control characters"),  # noqa: E501
+    value("warm_start_name_with_a_csi", {"warm_starts.0.name": "strong\x9b"}, "warm_starts[0].name: must not hold control characters"),  # noqa: E501
     cli("storage_empty", ("--storage", ""), "storage: must be a non-empty string"),
     cli("storage_with_a_nul", ("--storage", "st\0udy.db"), "storage: must not hold control characters"),
     cli("budget_empty_path", ("--budget", ""), "budget: . is not a file"),
@@ -302,6 +311,13 @@ CASES = [
     text("budget_sexagesimal_minutes", replace_line("reserve_minutes", "reserve_minutes: 1:00"),
          "reserve_minutes: must be a number, got '1:00'"),
     Case("budget_alias_bomb", "expands to more than", text=alias_bomb, subprocess=True),
+    text("budget_octal_minutes", replace_line("reserve_minutes", "reserve_minutes: 020"), "reserve_minutes: must be a number, got '020'"),  # noqa: E501
+    text("budget_octal_hours", replace_line("hours", "hours: 07"), "hours: must be a number, got '07'"),
+    text("budget_octal_gpus", replace_line("gpus", "gpus: 00"), "gpus: must be an integer in [0, 64] or 'auto', got '00'"),  # noqa: E501
+    text("budget_octal_nested_seed", lambda good: good.replace("  seed: 0\n", "  seed: 010\n", 1), "sampler.seed: must be an integer, got '010'"),  # noqa: E501
+    text("budget_merge_key_overriding_hours", lambda good: good + "<<: {hours: 3}\n", "a merge key (<<) is not allowed"),  # noqa: E501
+    text("budget_merge_key_from_an_anchor", lambda good: good.replace("  seed: 0\n", "  seed: 0\n  <<: &more {n_startup_trials: 1}\n", 1), "a merge key (<<) is not allowed"),  # noqa: E501
+    text("budget_merge_key_of_a_list", lambda good: good + "<<: [{hours: 3}, {gpus: 1}]\n", "a merge key (<<) is not allowed"),  # noqa: E501
     text("budget_recursive_alias", replace_line("study_name", "study_name: &loop [*loop]"), "recursive alias"),
     text("budget_nested_too_deeply", replace_line("study_name", "study_name: " + "[" * 5000 + "]" * 5000),
          "nested too deeply"),
@@ -417,6 +433,8 @@ CASES = [
           "pruner.percentile: must be in [0, 100], got 150"),
     value("pruner_hyperband_fractional_factor", {"pruner": {"type": "hyperband", "reduction_factor": 1.5}},
           "pruner.reduction_factor: must be an integer"),
+    value("pruner_hyperband_min_resource_above_max", {"pruner": {"type": "hyperband", "min_resource": 100, "max_resource": 10}}, "pruner.min_resource: must be <= max_resource (10), got 100: Hyperband would never prune"),  # noqa: E501
+    value("pruner_hyperband_min_resource_one_above_max", {"pruner": {"type": "hyperband", "min_resource": 2, "max_resource": 1}}, "pruner.min_resource: must be <= max_resource (1), got 2"),  # noqa: E501
     value("pruner_hyperband_max_resource_text", {"pruner": {"type": "hyperband", "max_resource": "lots"}},
           "pruner.max_resource: must be an integer"),
     # --- the space
@@ -556,7 +574,8 @@ CASES = [
     # --- the storage
     box_case("storage_random_bytes", write("study.db", bytes(range(256)) * 8), "storage: study.db is not an Optuna journal file"),  # noqa: E501
     box_case("storage_sqlite_file", lambda t: ((t / "study.db").unlink(), sqlite_file(t / "study.db")), "storage: study.db is not an Optuna journal file (it is an SQLite database: use --storage sqlite:///study.db)"),  # noqa: E501
-    box_case("storage_is_a_folder", None, "storage: {tmp}/app is not a file", args=("--storage", "{tmp}/app")),
+    box_case("storage_is_a_folder", lambda t: (t / "folder").mkdir(), "storage: {tmp}/folder is not a file", args=("--storage", "{tmp}/folder")),  # noqa: E501
+    box_case("storage_is_the_submissions_parent", None, "submission_path: {tmp}/app/submission is inside storage ({tmp}/app)", args=("--storage", "{tmp}/app")),  # noqa: E501
     box_case("storage_is_a_fifo", fifo("pipe.db"), "storage: {tmp}/pipe.db is not a file", args=("--storage", "{tmp}/pipe.db"), subprocess=True),  # noqa: E501
     box_case("storage_unknown_operation", append_line(b'{"op_code": 99, "worker_id": "w"}\n'), "storage: study.db is not an Optuna journal file"),  # noqa: E501
     box_case("storage_line_not_an_operation", append_line(b"[1, 2]\n"), "storage: study.db is not an Optuna journal file"),  # noqa: E501
@@ -567,6 +586,12 @@ CASES = [
     box_case("storage_password_in_the_query", None, "storage: cannot open postgresql://search@127.0.0.1:1/optuna?password=***", args=("--storage", f"postgresql://search@127.0.0.1:1/optuna?password={SECRET}")),  # noqa: E501
     box_case("storage_password_with_an_at_sign", None, "storage: postgresql://search:***@127.0.0.1:1/optuna: the password holds an unencoded '@'", args=("--storage", f"postgresql://search:{SECRET}@x@127.0.0.1:1/optuna")),  # noqa: E501
     box_case("storage_port_not_a_number", None, "storage: cannot open postgresql://search:***@127.0.0.1:port/optuna", args=("--storage", f"postgresql://search:{SECRET}@127.0.0.1:port/optuna")),  # noqa: E501
+    box_case("storage_password_with_a_slash", None, "storage: cannot open postgresql://search:***@127.0.0.1:1/optuna", args=("--storage", f"postgresql://search:{SECRET}/x@127.0.0.1:1/optuna")),  # noqa: E501
+    box_case("storage_password_with_a_hash", None, "storage: cannot open postgresql://search:***@127.0.0.1:1/optuna", args=("--storage", f"postgresql://search:x#{SECRET}@127.0.0.1:1/optuna")),  # noqa: E501
+    box_case("storage_password_with_a_question_mark", None, "storage: cannot open postgresql://search:***@127.0.0.1:1/optuna", args=("--storage", f"postgresql://search:{SECRET}?x=1@127.0.0.1:1/optuna")),  # noqa: E501
+    box_case("storage_password_with_a_space", None, "storage: cannot open postgresql://search:***@127.0.0.1:1/optuna", args=("--storage", f"postgresql://search:{SECRET} x@127.0.0.1:1/optuna")),  # noqa: E501
+    box_case("storage_password_of_slashes_only_in_mysql", None, "storage: cannot open mysql://search:***@127.0.0.1:1/optuna", args=("--storage", f"mysql://search:/{SECRET}/#@127.0.0.1:1/optuna")),  # noqa: E501
+    box_case("storage_query_password_with_a_space", None, "storage: cannot open postgresql://search@127.0.0.1:1/optuna?password=***", args=("--storage", f"postgresql://search@127.0.0.1:1/optuna?password={SECRET} x")),  # noqa: E501
     box_case("storage_url_of_no_database", None, "storage: cannot open nosuchdb://host/db", args=("--storage", "nosuchdb://host/db")),  # noqa: E501
     box_case("storage_mysql_without_a_driver", None, "storage: cannot open mysql://search:***@127.0.0.1:1/optuna", args=("--storage", f"mysql://search:{SECRET}@127.0.0.1:1/optuna")),  # noqa: E501
     box_case("storage_sqlite_in_no_folder", None, "storage: cannot open sqlite:///{tmp}/no/such/x.db", args=("--storage", "sqlite:///{tmp}/no/such/x.db")),  # noqa: E501

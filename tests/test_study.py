@@ -352,3 +352,31 @@ def test_a_queued_warm_start_outside_an_edited_list_is_refused(settings):
     open_study(settings, now=0.0)  # the warm starts queued, nothing sampled yet: lora_rank 64 waits in the queue
     with pytest.raises(StudyError, match=r"^space\.lora_rank: queued trial 1 \(strong\) has lora_rank 64"):
         open_study(_space_with(settings, lora_rank=[0, 16]), now=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------- secrets, ~
+@pytest.mark.parametrize("password", ["hunter/2secret", "hunter#2secret", "hunter?2secret", "hunter 2secret",
+                                      "/#?hunter2", "hunter2%2Fsecret", "a b/c#d?e"])  # fmt: skip
+def test_a_password_of_any_characters_is_never_shown(password):
+    url = f"postgresql://search:{password}@db:5432/optuna?sslmode=require"
+    line = f"storage: cannot open {url}: the server said {password!r}, {urllib.parse.unquote(password)}"
+    redacted = study_module.redact(line, url)
+    assert password not in redacted and urllib.parse.unquote(password) not in redacted
+    assert "search:***@db:5432/optuna?sslmode=require" in redacted
+
+
+def test_a_journal_path_under_the_home_folder_gets_its_log_and_leaderboard_beside_it(tmp_path, monkeypatch):
+    import run_search
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert run_search.main(["--simulate", "--hours", "1", "--storage", "~/x/st.db"]) == 0
+    assert {p.name for p in (tmp_path / "home" / "x").iterdir()} >= {"st.db", "search.log", "leaderboard.md"}
+    assert list((tmp_path / "cwd").iterdir()) == []  # no literal ./~ folder
+
+
+def test_a_budget_path_under_the_home_folder_is_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copy(BUDGET, tmp_path / "mine.yaml")
+    assert load_settings("~/mine.yaml", storage="~/st.db").storage == str(tmp_path / "st.db")
