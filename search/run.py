@@ -61,7 +61,8 @@ def run(request: Request, *, prog: str) -> int:
         except interrupts.OutputClosed:
             if request.leaderboard:
                 return 0
-            log.warn(f"{prog}: stdout was closed: the search stopped, its rounds were ended; the same command resumes it")
+            log.warn(f"{prog}: stdout was closed: the search stopped, its rounds were ended; the same command "
+                     "resumes it")
             return interrupts.exit_code(interrupts.OutputClosed())
         except KeyboardInterrupt as interrupt:  # at any point: set-up, a round's launch, a promotion, the leaderboard
             what = "terminated" if isinstance(interrupt, interrupts.Terminated) else "interrupted"

@@ -906,7 +906,7 @@ class Scheduler:
                 if t.user_attrs.get("worker") == self.worker:
                     trial = optuna.trial.Trial(self.study, t._trial_id)
                     trial.set_user_attr("state", RoundState.FAILED)
-                    trial.set_user_attr("reason", "interrupted: the scheduler stopped while this round started or ended")
+                    trial.set_user_attr("reason", "interrupted: the scheduler stopped as this round started or ended")
                     self.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
 
     # ------------------------------------------------------------------ the display
