@@ -37,6 +37,30 @@ def inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
     return real != base and os.path.commonpath([real, base]) == base
 
 
+def overlapping(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether `a` and `b` are one folder, or one holds the other, once symlinks and `..` are resolved."""
+    return os.path.realpath(a) == os.path.realpath(b) or inside(a, b) or inside(b, a)
+
+
+def is_mount_point(path: str | os.PathLike) -> bool:
+    """Whether `path` is a mount point, which cannot be renamed. os.path.ismount misses a bind mount of a folder of
+    the same filesystem (a container's volume), so the kernel's table of this process's mounts is read too."""
+    if os.path.ismount(path):
+        return True
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as table:
+            # Field 5 is the mount point, with space, tab, newline and backslash written as octal escapes.
+            points = {_unescape(line.split(" ")[4]) for line in table if line.count(" ") >= 4}
+    except OSError:  # not Linux
+        return False
+    return real in points
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 def unwritable(folder: Path, *, must_exist: bool) -> str | None:
     """What stops the search from writing in `folder` (a folder it creates when `must_exist` is False: then its
     nearest existing ancestor must take it), or None. Writes nothing that outlives the check."""

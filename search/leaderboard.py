@@ -5,6 +5,10 @@ It reads only the study: the objective value, the user attrs the scheduler recor
 `total_steps`, the per-row correctness `ood_rows`), the pruned trials' intermediate values and the study's last final
 check. Completed rounds are ranked; pruned, failed and running ones follow, by trial number.
 
+A study is storage content that other programs (or another version of this one) may have written: a value of a type
+this search does not record is shown as stored, marked `?`, and named in a note; a trial whose row cannot be built at
+all gets a row of what is readable. No trial hides the table.
+
 `vs_base` and `vs_best` are a round's lead over the base model (round 0) and over the best round, in accuracy points
 on the same ood_val rows, with the paired 95% interval (search.selection): an interval that contains 0 is a lead the
 choice of rows could explain.
@@ -25,7 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 from search import selection
 from search.space import BASE, MERGE, SAMPLED
 from search.study import FINAL_CHECK_ATTR
-from trainer.validation import is_number
+from trainer.validation import is_number, one_line, show
 
 BASELINE = "baseline"  # the warm start every other round is compared against
 _MARKED = (BASE, BASELINE)  # recipes the tables mark: the zero point and the inherited recipe
@@ -67,6 +71,9 @@ def write_leaderboard(study: optuna.Study, folder: str | Path) -> tuple[Path, Pa
     check = final_check_line(study)
     if check:
         lines += [f"**{check}**" if check.startswith("FINAL CHECK") else check, ""]
+    note = odd_values_note(rows)
+    if note:
+        lines += [note, ""]
     lines.append("| " + " | ".join(COLUMNS) + " |")
     lines.append("|" + "|".join("---:" if _is_numeric_column(c) else "---" for c in COLUMNS) + "|")
     for row in rows:
@@ -98,8 +105,8 @@ def format_leaderboard(study: optuna.Study) -> str:
         "  ".join(cell.rjust(w) if _is_numeric_column(c) else cell.ljust(w) for c, cell, w in zip(COLUMNS, line, widths))
         for line in table
     ]
-    check = final_check_line(study)
-    head = [f"study {study.study_name}: {why_it_won(study)}", *([check] if check else [])]
+    check, note = final_check_line(study), odd_values_note(rows)
+    head = [f"study {study.study_name}: {why_it_won(study)}", *([check] if check else []), *([note] if note else [])]
     return "\n".join([*head, *(line.rstrip() for line in text)])
 
 
@@ -109,13 +116,29 @@ def leaderboard_rows(study: optuna.Study) -> list[dict[str, Any]]:
     ranked = sorted((t for t in trials if _score(t) is not None), key=lambda t: (-_score(t), t.number))
     others = sorted((t for t in trials if _score(t) is None), key=lambda t: t.number)
     base, best = _base(trials), _best(ranked)
-    rows = [_row(trial, rank, base, best) for rank, trial in enumerate(ranked, start=1)]
-    return rows + [_row(trial, None, base, best) for trial in others]
+    rows = [_readable_row(trial, rank, base, best) for rank, trial in enumerate(ranked, start=1)]
+    return rows + [_readable_row(trial, None, base, best) for trial in others]
+
+
+def odd_values_note(rows: list[dict[str, Any]]) -> str | None:
+    """One line naming the values the tables show as stored (`?`): of a type this search does not record."""
+    odd = [f"trial {row['trial']} {column}" for row in rows for column in COLUMNS if _odd(column, row[column])]
+    if not odd:
+        return None
+    shown = ", ".join(odd[:10]) + (f" and {len(odd) - 10} more" if len(odd) > 10 else "")
+    return f"note: values this search does not record, shown as stored and marked ?: {shown}"
 
 
 def why_it_won(study: optuna.Study) -> str:
     """One line: the best round, its chain of parents, whether its lead over the base and over the runner-up is
     beyond the noise of ood_val's rows, and against the inherited baseline, the options that differ."""
+    try:
+        return _why_it_won(study)
+    except Exception as error:  # noqa: BLE001 - an odd trial's attributes: the table below still shows every row
+        return one_line(f"The best round's story is unreadable ({type(error).__name__}: {error}); see the table.")
+
+
+def _why_it_won(study: optuna.Study) -> str:
     trials = study.get_trials(deepcopy=False)
     scored = sorted((t for t in trials if _score(t) is not None), key=lambda t: (-_score(t), t.number))
     if not scored:
@@ -160,7 +183,8 @@ def _merge_stage(trials: list[FrozenTrial]) -> list[str]:
 def final_check_line(study: optuna.Study) -> str | None:
     """The last final check of a submission (search.promotion.final_check), as it was printed."""
     check = study.user_attrs.get(FINAL_CHECK_ATTR)
-    return check.get("line") if isinstance(check, dict) else None
+    line = check.get("line") if isinstance(check, dict) else None
+    return None if line is None else one_line(line)
 
 
 def _against_baseline(best: FrozenTrial, scored: list[FrozenTrial]) -> str:
@@ -231,7 +255,8 @@ def _config_value(trial: FrozenTrial, field: str) -> Any:
         for key in ("steps_done", "steps"):
             if trial.user_attrs.get(key) is not None:
                 return trial.user_attrs[key]
-    return trial.user_attrs.get("config", {}).get(field)
+    config = trial.user_attrs.get("config")
+    return config.get(field) if isinstance(config, dict) else None
 
 
 def _row(trial: FrozenTrial, rank: int | None, base: FrozenTrial | None, best: FrozenTrial | None) -> dict[str, Any]:
@@ -253,12 +278,25 @@ def _row(trial: FrozenTrial, rank: int | None, base: FrozenTrial | None, best: F
         "val_acc": attrs.get("val_accuracy"),
         "format_rate": attrs.get("format_rate"),
         "mean_tokens": attrs.get("mean_completion_tokens"),
-        "duration_min": attrs["duration_s"] / 60 if attrs.get("duration_s") is not None else None,
+        "duration_min": attrs["duration_s"] / 60 if is_number(attrs.get("duration_s")) else attrs.get("duration_s"),
         "steps": _config_value(trial, "steps"),
         "reason": _reason(trial),
     }
     row.update({column: _config_value(trial, field) for column, field in _CONFIG_COLUMNS})
     return row
+
+
+def _readable_row(trial: FrozenTrial, rank: int | None, base: FrozenTrial | None,
+                  best: FrozenTrial | None) -> dict[str, Any]:
+    """`_row`, or for a trial whose attributes break it, its number, state, score and why the rest is missing."""
+    try:
+        return _row(trial, rank, base, best)
+    except Exception as error:  # noqa: BLE001 - see the module docstring
+        row = dict.fromkeys(COLUMNS)
+        row.update(rank=rank, trial=trial.number, recipe=show(trial.user_attrs.get("recipe", SAMPLED)),
+                   state=trial.state.name.lower(), ood_acc=_score(trial),
+                   reason=one_line(f"unreadable attributes ({type(error).__name__}: {error})"))  # fmt: skip
+        return row
 
 
 def _held_out_lead(attrs: dict) -> selection.Lead | None:
@@ -289,7 +327,23 @@ def _is_numeric_column(column: str) -> bool:
 
 
 def _cell(column: str, value: Any) -> str:
-    """A value as the Markdown and text tables show it."""
+    """A value as the Markdown and text tables show it; one of a type this search does not record as stored, `?`."""
+    try:
+        text = _formatted(column, value)
+    except (TypeError, ValueError, AttributeError):
+        return f"{show(value)}?"
+    return text if text.isprintable() else " ".join(text.split())  # a row of the tables is one line
+
+
+def _odd(column: str, value: Any) -> bool:
+    try:
+        _formatted(column, value)
+    except (TypeError, ValueError, AttributeError):
+        return True
+    return False
+
+
+def _formatted(column: str, value: Any) -> str:
     if value is None:
         return "-"
     if column == "rewards":
@@ -315,7 +369,10 @@ def _csv_value(value: Any) -> Any:
     if isinstance(value, list):  # a merge's ingredients
         return "+".join(map(str, value))
     if isinstance(value, dict):
-        return _rewards(value)
+        try:
+            return _rewards(value)
+        except (TypeError, ValueError):
+            return show(value)
     if isinstance(value, selection.Lead):
         return str(value)
     return value

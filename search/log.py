@@ -14,6 +14,8 @@ from logging.handlers import MemoryHandler
 from pathlib import Path
 from typing import Callable, Iterator
 
+from search import interrupts
+
 LOG_NAME = "search.log"
 _TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 
@@ -31,10 +33,14 @@ _redact: Callable[[str], str] = _as_is  # a recording's, while one runs
 
 
 def say(line: str) -> None:
-    """Print `line` (one or several lines) to stdout, and log it."""
+    """Print `line` (one or several lines) to stdout, and log it. A closed stdout (`| head`) raises OutputClosed, which
+    ends the run as an interrupt does (search.interrupts); the line is logged first."""
     line = _redact(line)
-    print(line, flush=True)
     _logger.info(line)
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        raise interrupts.stdout_closed() from None
 
 
 def warn(line: str) -> None:

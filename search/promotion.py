@@ -9,6 +9,11 @@ check in the reserve (`final_check`) can restore it when the submission no longe
 submission records which trial it holds, its accuracy and the answers it must give: it moves with the model in the
 same exchange, and only a strictly better model replaces it. A lock on the submission's parent serializes workers
 that share one study.
+
+The search deletes only what it wrote. A submission folder holding files no promotion wrote (no PROMOTED.json: a
+user's model, notes) has them kept, linked or copied under the study's folder (`kept-<name>-<time>`), before the
+first promotion replaces them, mount point or not. The names the search uses beside the submission all start with
+`.<name>.` (`.incoming`, `.old`, `.previous`, `.rejected`, `.lock`); a sibling such as `submission.old` is the user's.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import optuna
 from optuna.trial import TrialState
 
 from search import verification
-from search.folders import inside
+from search.folders import inside, is_mount_point
 from search.log import warn
 from search.space import MERGE
 
@@ -56,6 +61,7 @@ def promote(
     check: Callable[[Path], None] | None = None,
     copy_tree: Callable[[str, str], Any] = shutil.copytree,
     timings: dict[str, float] | None = None,
+    keep_dir: str | os.PathLike | None = None,
 ) -> bool:
     """Make `merged_dir` the submission if it clears the format floor and beats the promoted model's accuracy.
 
@@ -63,7 +69,8 @@ def promote(
     strictly better than PROMOTED.json's accuracy). Raises PromotionError when it fails its check; the previous
     submission is then untouched. `details` join PROMOTED.json (`check_rows`: the answers `final_check` expects).
     `check` defaults to `check_submission` (loading only); `copy_tree` is the copy (tests break it). `timings`, when
-    given, gets the seconds of each part that ran: "copy", "flush" (to disk), "check".
+    given, gets the seconds of each part that ran: "copy", "flush" (to disk), "check". What the submission held that
+    no promotion wrote is kept under `keep_dir` (the study's folder; default: beside the submission).
     """
     if format_rate is None or format_rate < min_format_rate:
         _LOG.info("not promoting %s: format rate %s is below the floor %s", merged_dir, format_rate, min_format_rate)
@@ -77,7 +84,7 @@ def promote(
             _LOG.info("not promoting trial %s: %.2f%% does not beat trial %s's %.2f%%",
                       trial, accuracy, current.get("trial"), current["accuracy"])  # fmt: skip
             return False
-        in_place = os.path.ismount(submission)  # a mount point cannot be renamed: stage inside it instead
+        in_place = is_mount_point(submission)  # a mount point cannot be renamed: stage inside it instead
         staging = (submission if in_place else submission.parent) / f".{submission.name}.incoming"
         _remove(staging)
         timings = {} if timings is None else timings
@@ -91,6 +98,9 @@ def promote(
                 _fsync_tree(staging, readable=True)
             with _timed(timings, "check"):
                 check(staging)
+            found = _found_files(submission, staging)
+            if found:  # kept whole before anything of the submission is replaced
+                _keep(found, submission, Path(keep_dir) if keep_dir is not None else submission.parent)
         except BaseException:
             _remove(staging)
             raise
@@ -153,8 +163,8 @@ def recover_submission(submission_dir: str | os.PathLike) -> None:
 def _recover(submission: Path) -> None:
     old = _old_path(submission)
     if old.exists():
-        if submission.exists():  # the new submission was renamed in whole: only the cleanup is left
-            _remove(old)
+        if submission.exists():  # the new submission was renamed in whole: only the keeping aside is left
+            _keep_aside(old, submission)
         else:  # died between the two renames: the old submission is whole
             os.rename(old, submission)
     _remove(submission.parent / f".{submission.name}.incoming")
@@ -331,19 +341,42 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def _keep_aside(previous: Path, submission: Path) -> None:
     """The replaced submission: a promoted one becomes `.<name>.previous` (replacing the one before it), for
-    `restore_previous`; one someone else put there (no PROMOTED.json) is kept as `<name>.before-search`."""
+    `restore_previous`; any other was kept by `_keep` before the swap, so this copy goes."""
     if promoted(previous) is not None:
         target = _previous_path(submission)
         _remove(target)
         os.rename(previous, target)
         return
-    if any(previous.iterdir()):
-        aside = submission.with_name(f"{submission.name}.before-search")
-        if not aside.exists():
-            os.rename(previous, aside)
-            warn(f"warning: kept the submission found before the search in {aside}")
-            return
     _remove(previous)
+
+
+def _found_files(submission: Path, staging: Path) -> list[Path]:
+    """The entries of a submission that no promotion wrote (it has no PROMOTED.json), but the staged copy."""
+    if not submission.is_dir() or promoted(submission) is not None:
+        return []
+    return sorted(entry for entry in submission.iterdir() if entry != staging)
+
+
+def _keep(entries: list[Path], submission: Path, keep_dir: Path) -> Path:
+    """Link or copy `entries` into a new `kept-<name>-<time>` folder of `keep_dir` and flush it, before the promotion
+    deletes them: hard links where the filesystem allows (no copy of a model-sized folder), copies elsewhere (another
+    filesystem, a mount point's). Raises (OSError) before anything is deleted when they cannot be kept."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = keep_dir / f"kept-{submission.name}-{stamp}"
+    suffix = 1
+    while target.exists() or target.is_symlink():
+        target, suffix = keep_dir / f"kept-{submission.name}-{stamp}-{suffix}", suffix + 1
+    target.mkdir(parents=True)
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, target / entry.name, symlinks=True, copy_function=_link_or_copy)
+        elif entry.is_symlink():
+            shutil.copy2(entry, target / entry.name, follow_symlinks=False)
+        else:
+            _link_or_copy(str(entry), str(target / entry.name))
+    _fsync_tree(target)
+    warn(f"warning: {submission} held files no promotion wrote (no {MARKER}); kept them in {target}")
+    return target
 
 
 def _replace_contents(submission: Path, staging: Path) -> None:
@@ -370,7 +403,7 @@ def lock_path(submission: Path) -> Path:
 
 
 def _old_path(submission: Path) -> Path:
-    return submission.with_name(f"{submission.name}.old")
+    return submission.with_name(f".{submission.name}.old")
 
 
 def _previous_path(submission: Path) -> Path:
@@ -409,6 +442,8 @@ def _fsync_tree(root: Path, *, readable: bool = False) -> None:
     for folder, _, files in os.walk(root):
         for name in files:
             path = os.path.join(folder, name)
+            if os.path.islink(path):  # a kept symlink: its target is not ours to open or open up
+                continue
             if readable:
                 os.chmod(path, os.stat(path).st_mode | 0o444)
             fd = os.open(path, os.O_RDONLY)

@@ -20,10 +20,10 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from search import log
+from search import interrupts, log
 from search.settings import BUDGET, DEMO_BUDGET, Settings, SettingsError, check_box, load_settings
 from search.study import load_existing_study, open_study, redact
-from trainer.validation import InvalidValue
+from trainer.validation import InvalidValue, is_number
 
 # A rehearsal gets its own journal file and a fresh study each time, so it never mixes with the real study.
 SIMULATED_STORAGE = "simulated/study.db"
@@ -45,9 +45,10 @@ class Request:
 
 
 def run(request: Request, *, prog: str) -> int:
-    """Do what `request` asks; the exit code (0, 1 a failure, 2 bad input, 130 interrupted)."""
+    """Do what `request` asks; the exit code (0, 1 a failure, 2 bad input, 130 Ctrl-C, 143 SIGTERM, 141 a search's
+    stdout closed; a leaderboard whose reader stopped reading ends with 0)."""
     storage = {"in use": request.storage}  # the storage whose password no line may show, once the budget is read
-    with log.recording(lambda text: redact(text, storage["in use"])) as recording:
+    with interrupts.handled(), log.recording(lambda text: redact(text, storage["in use"])) as recording:
         try:
             if request.leaderboard:
                 return _print_leaderboard(request)
@@ -60,6 +61,16 @@ def run(request: Request, *, prog: str) -> int:
         except Exception:  # not bad input: a failure during the search, shown whole
             log.warn(traceback.format_exc().rstrip("\n"))
             return 1
+        except interrupts.OutputClosed:
+            if request.leaderboard:
+                return 0
+            log.warn(f"{prog}: stdout was closed: the search stopped, its rounds were ended; the same command "
+                     "resumes it")
+            return interrupts.exit_code(interrupts.OutputClosed())
+        except KeyboardInterrupt as interrupt:  # at any point: set-up, a round's launch, a promotion, the leaderboard
+            what = "terminated" if isinstance(interrupt, interrupts.Terminated) else "interrupted"
+            log.warn(f"{prog}: {what}: running rounds were ended; the study and the submission are as they were")
+            return interrupts.exit_code(interrupt)
 
 
 class _InputError(InvalidValue):
@@ -175,18 +186,24 @@ def _search(request: Request, storage: dict[str, str | None], recording: log.Rec
         keep_a_checker_ready()  # the first promotion's check finds its interpreter started
     try:
         scheduler.run()
-    except KeyboardInterrupt:
-        log.warn("interrupted: running rounds were ended; the study and the submission are as they were")
-        return 130
     finally:
         if not request.simulate:
             keep_a_checker_ready(False)
-        from search.leaderboard import write_leaderboard
-
-        write_leaderboard(study, folder)
+        _write_leaderboard(study, folder)
     log.say(_summary(study, settings, recording.path, simulated=request.simulate,
                      final_check=scheduler.final_check_result))  # fmt: skip
     return 0
+
+
+def _write_leaderboard(study, folder: Path) -> None:
+    """The last leaderboard write; its failure (a full disk, a folder gone) is a warning, so that it never hides the
+    summary, the search's own error or its interrupt."""
+    from search.leaderboard import write_leaderboard
+
+    try:
+        write_leaderboard(study, folder)
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        log.warn(f"warning: the leaderboard could not be written into {folder}: {type(error).__name__}: {error}")
 
 
 def results_folder(storage: str) -> Path:
@@ -198,7 +215,7 @@ def _summary(
     study, settings: Settings, log_path: Path, *, simulated: bool, final_check: tuple[bool, str] | None
 ) -> str:
     from search.leaderboard import format_leaderboard
-    from search.promotion import promoted
+    from search.promotion import MARKER, promoted
 
     lines = [
         format_leaderboard(study),
@@ -207,11 +224,14 @@ def _summary(
     ]
     if not simulated:
         marker = promoted(settings.submission_path)
+        accuracy = marker.get("accuracy") if isinstance(marker, dict) else None
         lines.append(
-            f"submission: {settings.submission_path} holds trial {marker['trial']} ({marker.get('recipe') or 'round'}, "
-            f"{marker['accuracy']:.1f}% on ood_val)"
-            if marker
+            f"submission: {settings.submission_path} holds trial {marker.get('trial')} "
+            f"({marker.get('recipe') or 'round'}, {accuracy:.1f}% on ood_val)"
+            if is_number(accuracy)
             else f"submission: nothing promoted into {settings.submission_path}"
+            if marker is None
+            else f"submission: {settings.submission_path} holds a {MARKER} this search cannot read"
         )
     if final_check is not None and not final_check[0]:
         lines.append(final_check[1])  # again last, where a user who reads only the end sees it

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Callable
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from search import merge_stage, selection, space
+from search import interrupts, merge_stage, selection, space
 from search.backend import TIMING_KEYS, Backend, RoundHandle, RoundOutcome
 from search.clock import Clock
 from search.duration import DurationModel
@@ -241,11 +241,12 @@ class Scheduler:
             left = _minutes(self.end_of_rounds - now)
             self._close(f"no time left for a useful round ({left} before {self._rounds_end()})")
             return
-        if self._base_due and base_fits:
-            trial, self._base_due = self._new_trial(space.BASE), False
-        else:
-            trial = self.study.ask()
-        trial.set_user_attr("worker", self.worker)
+        with interrupts.deferred():  # a new trial is stamped ours before an interrupt, so _abandon_running finds it
+            if self._base_due and base_fits:
+                trial, self._base_due = self._new_trial(space.BASE), False
+            else:
+                trial = self.study.ask()
+            trial.set_user_attr("worker", self.worker)
         trial.set_user_attr(HEARTBEAT_ATTR, time.time())
         if trial.user_attrs.get("recipe") == space.BASE:
             self._launch_base(trial, slot, now)
@@ -564,6 +565,7 @@ class Scheduler:
                 check=check,
                 copy_tree=promotion.link_tree if own else shutil.copytree,
                 timings=timings,
+                keep_dir=s.rounds_dir,  # what the submission held that no promotion wrote is kept, with the study
             )
         finally:
             if timings:  # where promotion_s went (nothing ran for a refused model)
@@ -911,6 +913,13 @@ class Scheduler:
             with contextlib.suppress(Exception):
                 trial.set_user_attr("reason", "interrupted: the scheduler stopped before the merge stage decided")
                 self.study.tell(trial, state=TrialState.FAIL)
+        with contextlib.suppress(Exception):  # ours but in neither list: being launched, or ending (a promotion)
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                if t.user_attrs.get("worker") == self.worker:
+                    trial = optuna.trial.Trial(self.study, t._trial_id)
+                    trial.set_user_attr("state", RoundState.FAILED)
+                    trial.set_user_attr("reason", "interrupted: the scheduler stopped as this round started or ended")
+                    self.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
 
     # ------------------------------------------------------------------ the display
     def _status(self, now: float) -> None:

@@ -24,7 +24,7 @@ import optuna
 import yaml
 
 from search import space as space_module
-from search.folders import study_folder, unwritable
+from search.folders import inside, overlapping, study_folder, unwritable
 from trainer import validation
 from trainer.config import GPU_MEMORY_GB_MAX, ConfigError, TrialConfig
 from trainer.validation import InvalidValue, show, show_key
@@ -151,7 +151,8 @@ def _check_merge(key: str, value: Any) -> MergeSettings:
 
 @dataclass(frozen=True)
 class Settings:
-    """Every budget.yaml key (documented there). Paths are absolute; `storage` is kept as written."""
+    """Every budget.yaml key (documented there). Paths are absolute; `storage` is kept as written, but a file path's
+    `~`, expanded here once for every file that goes next to it (the journal, the leaderboard, search.log)."""
 
     hours: float
     reserve_minutes: float
@@ -216,7 +217,7 @@ def load_settings(
 ) -> Settings:
     """Read and check a budget file; `hours` (a number, or the CLI's text), `storage` and `study_name` override the
     file's values. Raises SettingsError, whatever the file holds."""
-    raw = _read_budget(Path(path))
+    raw = _read_budget(Path(path).expanduser())
     unknown = validation.unknown_keys(raw, KEYS)
     if unknown:
         name = unknown[0]
@@ -246,9 +247,10 @@ def check_box(settings: Settings) -> None:
 
     The model folder must be a Qwen2-VL folder with whole weights, `gpus` at most the GPUs this machine shows, the
     data folders must load as splits with rows and the columns `image`, `problem` and `solution` (every solution
-    holding a gold count), and the submission's parent and the runs folder must be writable. Raises BoxError (one
-    line), whatever the folders hold.
+    holding a gold count), and the submission's parent and the runs folder must be writable; no two of the paths may
+    be one folder or hold one another (`_check_overlaps`). Raises BoxError (one line), whatever the folders hold.
     """
+    _check_overlaps(settings)
     with _box_guard("model_path"):
         _check_model_folder(Path(settings.model_path))
     if settings.gpus:
@@ -270,11 +272,14 @@ _INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 
 
 class _BudgetLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader without three YAML 1.1 surprises, for a file a person edits:
+    """PyYAML's SafeLoader without the YAML 1.1 surprises of a file a person edits, by one rule: what a person would not
+    mean is refused, never read another way (budget.yaml's header says so):
 
     - `1e-5` is a float (YAML 1.1's floats need a dot; learning rates are written that way);
-    - `7:30` is the text "7:30", not the sexagesimal 450 (and then refused where a number is due);
-    - a key given twice is an error (YAML 1.1 lets the last one win, silently).
+    - `7:30` and `020` are the texts "7:30" and "020", not the sexagesimal 450 nor the octal 16 (and then refused
+      where a number is due);
+    - a key given twice is an error (YAML 1.1 lets the last one win, silently), and so is a merge key (`<<:`), which
+      would give a key a second value from elsewhere.
 
     Aliases are expanded only by reference, and the composed document is measured before it is built (see
     `get_single_node`), so an alias bomb is refused instead of filling the memory wherever it is walked.
@@ -295,7 +300,8 @@ class _BudgetLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
+                raise yaml.constructor.ConstructorError(None, None, "a merge key (<<) is not allowed: write each key "
+                                                        "once, where it applies", key_node.start_mark)  # fmt: skip
             key = self.construct_object(key_node, deep=True)
             try:
                 duplicate = key in seen
@@ -307,9 +313,9 @@ class _BudgetLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-# YAML 1.1's int and float patterns without their sexagesimal forms (`1:30`, `1:30.5`).
+# YAML 1.1's int and float patterns without their sexagesimal forms (`1:30`, `1:30.5`) and octal integers (`020`).
 _BudgetLoader.add_implicit_resolver(
-    _INT, re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    _INT, re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
     list("-+0123456789"),
 )  # fmt: skip
 _BudgetLoader.add_implicit_resolver(
@@ -418,6 +424,10 @@ def _path(key: str, value: Any) -> str:
     return os.path.abspath(os.path.expanduser(_text(key, value)))
 
 
+def _storage(storage: str) -> str:
+    return storage if "://" in storage else os.path.expanduser(storage)
+
+
 def _hours_text(hours: float | str | None) -> float | None:
     """--hours arrives as text; a budget file's `hours` must be a YAML number."""
     if not isinstance(hours, str):
@@ -460,6 +470,8 @@ def _factory(kinds: Mapping[str, tuple[type, dict[str, Callable[[str, Any], Any]
         for name, parameter in parameters.items():
             if parameter.default is inspect.Parameter.empty and name not in kwargs:
                 raise SettingsError(f"{key}.{name}", f"missing ({cls.__name__} needs it)")
+        if kind in _BOUNDS:
+            _BOUNDS[kind](key, kwargs, parameters)
         try:  # the constructor has the last word on its values, e.g. group needs multivariate
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -471,6 +483,20 @@ def _factory(kinds: Mapping[str, tuple[type, dict[str, Callable[[str, Any], Any]
     return check
 
 
+def _hyperband_resources(key: str, options: dict, parameters: Mapping[str, inspect.Parameter]) -> None:
+    """Optuna's HyperbandPruner takes min_resource above an integer max_resource, and never prunes."""
+    low = options.get("min_resource", parameters["min_resource"].default)
+    high = options.get("max_resource", parameters["max_resource"].default)
+    if isinstance(high, int) and low > high:
+        raise SettingsError(f"{key}.min_resource", f"must be <= max_resource ({high}), got {low}: Hyperband would "
+                                                   "never prune")  # fmt: skip
+
+
+# Checks of a sampler's or pruner's options taken together, by its type.
+_BOUNDS: dict[str, Callable[[str, dict, Mapping[str, inspect.Parameter]], None]] = {
+    "hyperband": _hyperband_resources,
+}
+
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "hours": _hours,
     "reserve_minutes": _number(low=0, high=MINUTES_MAX),
@@ -479,7 +505,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "hang_minutes": _number(low=0, high=MINUTES_MAX, low_open=True),
     **{key: _path for key in _PATH_KEYS},
     "study_name": lambda key, value: _text(key, value, STUDY_NAME_MAX),
-    "storage": _text,
+    "storage": lambda key, value: _storage(_text(key, value)),
     "ood_rows": _optional(_integer(low=1)),
     "val_rows": _integer(low=0),
     "eval_batch_size": _optional(_integer(low=1, high=65536)),
@@ -621,6 +647,30 @@ def _box_guard(key: str) -> Iterator[None]:
         raise
     except Exception as exc:  # noqa: BLE001 - filesystems and libraries raise many types; see the docstring
         raise BoxError(key, f"{type(exc).__name__}: {exc}") from None
+
+
+# The paths of a box, by what the search does there: it replaces the submission, deletes in the runs folder, writes
+# the journal file, and only reads the model and the data. The data splits may share a folder; no other two paths
+# may be one folder or hold one another, or a promotion would move the model aside or the pruning delete a submission.
+_READ_ONLY_PATHS = ("train_path", "val_path", "ood_val_path")
+
+
+def _check_overlaps(settings: Settings) -> None:
+    submission = settings.submission_path
+    if os.path.realpath(submission) == os.path.realpath(os.sep):
+        raise BoxError("submission_path", "is the filesystem root; name a folder of its own")
+    paths = {key: getattr(settings, key) for key in ("submission_path", "runs_dir", "model_path", *_READ_ONLY_PATHS)}
+    if "://" not in settings.storage:
+        paths["storage"] = os.path.abspath(settings.storage)
+    keys = list(paths)
+    for i, key in enumerate(keys):
+        for other in keys[i + 1:]:
+            if key in _READ_ONLY_PATHS and other in _READ_ONLY_PATHS:
+                continue
+            if overlapping(paths[key], paths[other]):
+                same = os.path.realpath(paths[key]) == os.path.realpath(paths[other])
+                how = "is the same as" if same else "holds" if inside(paths[other], paths[key]) else "is inside"
+                raise BoxError(key, f"{paths[key]} {how} {other} ({paths[other]}); give each its own place")
 
 
 # Weights of a `save_pretrained` folder: one file, or shards named by an index.

@@ -124,6 +124,22 @@ def _reward_param(name: str) -> str:
     return f"w_{name}"
 
 
+def choice_distributions(space: Mapping[str, Any]) -> dict[str, tuple[str, optuna.distributions.BaseDistribution]]:
+    """Every categorical parameter `sample_config` suggests, with the key of the space that sets its choices. Optuna
+    refuses a choice list other than the one a study first recorded for a name, so a resumed study is compared with
+    these before anything is sampled (search.study)."""
+    weights = space["reward_weights"]
+    choices: dict[str, tuple[str, list[Any]]] = {
+        "init": ("init", space["init"]),
+        "use_kl": ("beta", [False, True]),
+        **{option: (option, space[option]) for option in CHOICE_OPTIONS},
+        **{_reward_param(name): (f"reward_weights.{name}", options) for name, options in weights.items()},
+        ANSWER_FORMAT_ALONE: ("reward_weights.answer_format", [w for w in weights["answer_format"] if w > 0]),
+    }
+    categorical = optuna.distributions.CategoricalDistribution
+    return {name: (key, categorical(values)) for name, (key, values) in choices.items()}
+
+
 def _suggest_range(trial: optuna.Trial, option: str, space: Mapping[str, Any]) -> float | int:
     param, _, kind = RANGE_OPTIONS[option]
     bounds = space[option]

@@ -16,6 +16,7 @@ import fcntl
 import math
 import os
 import re
+import shutil
 import time
 import urllib.parse
 import warnings
@@ -28,6 +29,7 @@ from optuna.trial import TrialState
 
 from search import space
 from search.folders import unwritable
+from search.log import warn
 from search.settings import HOURS_MAX, PRUNERS, SAMPLERS, Settings
 from trainer.validation import InvalidValue, is_number, one_line, show
 
@@ -63,7 +65,7 @@ def open_storage(storage: str, *, create: bool = True) -> optuna.storages.BaseSt
 def _open_database(url: str) -> optuna.storages.RDBStorage:
     authority = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
     if authority.count("@") > 1:  # SQLAlchemy would take the rest of the password for the host, and print it
-        raise StudyError("storage", f"{redact(url)}: the password holds an unencoded '@'; write it as %40")
+        raise StudyError("storage", f"{_shown(url)}: the password holds an unencoded '@'; write it as %40")
     full_url = _with_driver(url)
     attempt = 0
     while True:
@@ -74,12 +76,12 @@ def _open_database(url: str) -> optuna.storages.RDBStorage:
             # loser's CREATE fails with "already exists". The creation checks first, so a retry finds them.
             attempt += 1
             if "already exists" not in str(exc) or attempt >= SCHEMA_ATTEMPTS:
-                raise StudyError("storage", f"cannot open {redact(url)}: {redact(one_line(exc), url)}") from None
+                raise StudyError("storage", f"cannot open {_shown(url)}: {redact(one_line(exc), url)}") from None
             time.sleep(0.5 * attempt)
 
 
 def _open_journal(storage: str, *, create: bool) -> optuna.storages.JournalStorage:
-    path = Path(storage).expanduser()
+    path = Path(storage)  # its `~` was expanded with the settings (search.settings), once
     try:
         if path.exists():
             if not path.is_file():  # a folder; a FIFO would block the journal's open forever
@@ -102,9 +104,65 @@ def _open_journal(storage: str, *, create: bool) -> optuna.storages.JournalStora
         why = getattr(exc, "strerror", None) or exc
         raise StudyError("storage", f"cannot open the journal file {storage}: {why}") from None
     try:
-        return optuna.storages.JournalStorage(backend)  # replays the whole file
+        journal = optuna.storages.JournalStorage(backend)  # replays the whole file, but a torn last line
     except Exception as exc:  # noqa: BLE001 - a file of other bytes fails the replay with any type
         raise StudyError("storage", f"{storage} is not an Optuna journal file ({type(exc).__name__}: {exc})") from None
+    if create:  # a search appends: its torn last line goes first; a read (the leaderboard) skips it as Optuna does
+        try:
+            repair_torn_tail(path)
+        except OSError as exc:
+            raise StudyError("storage", f"cannot repair the torn last line of {storage}: {exc.strerror}") from None
+    return journal
+
+
+def repair_torn_tail(path: Path) -> Path | None:
+    """Cut a journal file's torn last line (a process killed while appending leaves it without its newline), after
+    keeping the whole file as `<name>.torn-<time>`; returns that copy, or None when the file ends in a whole line.
+
+    Optuna's reader skips a torn last line, but its writer appends after it, which makes a line no reader can parse
+    and every study in the file unreadable. Done under the journal's lock, which every append holds, so a line still
+    being written by a live worker is never taken for a torn one."""
+    lock = JournalFileFlock(str(path))
+    lock.acquire()
+    try:
+        with path.open("r+b") as journal:
+            size = journal.seek(0, os.SEEK_END)
+            if size == 0 or _byte_at(journal, size - 1) == b"\n":
+                return None
+            whole = _end_of_last_whole_line(journal, size)
+            copy = path.with_name(f"{path.name}.torn-{time.strftime('%Y%m%d-%H%M%S')}")
+            journal.seek(0)
+            with copy.open("xb") as kept:
+                shutil.copyfileobj(journal, kept)
+                kept.flush()
+                os.fsync(kept.fileno())
+            journal.truncate(whole)
+            journal.flush()
+            os.fsync(journal.fileno())
+    finally:
+        lock.release()
+    warn(f"warning: {path}'s last line was torn (a kill while it was written): cut its last {size - whole} bytes, "
+         f"the file as it was kept in {copy}")  # fmt: skip
+    return copy
+
+
+def _byte_at(journal, offset: int) -> bytes:
+    journal.seek(offset)
+    return journal.read(1)
+
+
+def _end_of_last_whole_line(journal, size: int) -> int:
+    """The offset just after the last newline of the file (0 when it has none), read backwards in blocks."""
+    block = 1 << 16
+    end = size
+    while end > 0:
+        start = max(0, end - block)
+        journal.seek(start)
+        newline = journal.read(end - start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0
 
 
 class JournalFileFlock(BaseJournalFileLock):
@@ -167,9 +225,10 @@ def open_study(settings: Settings, *, now: float) -> tuple[optuna.Study, float]:
         directions = [d.name.lower() for d in study.directions]
         raise StudyError(
             "study_name",
-            f"the study {settings.study_name!r} in {redact(settings.storage)} optimizes {directions}, not maximize; "
+            f"the study {settings.study_name!r} in {_shown(settings.storage)} optimizes {directions}, not maximize; "
             "pick another --study-name",
         )
+    _check_space_unchanged(study, settings)
     deadline = _deadline(study, settings, now)
     if deadline is None and _wait_for_deadline(study):
         deadline = _deadline(study, settings, now)
@@ -180,6 +239,34 @@ def open_study(settings: Settings, *, now: float) -> tuple[optuna.Study, float]:
         _set_up(study, settings, now)
         deadline = _deadline(study, settings, now)  # another worker finishing it at the same moment may have won
     return study, deadline
+
+
+def _check_space_unchanged(study: optuna.Study, settings: Settings) -> None:
+    """A choice list of `space` edited since the study sampled from it, or a queued trial's value no longer among the
+    choices, is refused here in one line naming the key: Optuna would refuse it at the round's first suggestion (its
+    storage compares each parameter with the first trial that recorded it), leaving a RUNNING trial. Ranges may
+    change: Optuna records their bounds per trial."""
+    expected = space.choice_distributions(settings.space)
+    first: dict[str, optuna.distributions.BaseDistribution] = {}
+    for t in study.get_trials(deepcopy=False):
+        for name, recorded in t.distributions.items():
+            first.setdefault(name, recorded)
+        if t.state == TrialState.WAITING:
+            for name, value in t.system_attrs.get("fixed_params", {}).items():
+                if name in expected and value not in expected[name][1].choices:
+                    key, now = expected[name]
+                    raise StudyError(f"space.{key}", f"queued trial {t.number} ({t.user_attrs.get(RECIPE_ATTR)}) has "
+                                                     f"{name} {show(value)}, no longer one of {list(now.choices)}; "
+                                                     f"{_EDITED_SPACE_HELP}")  # fmt: skip
+    for name, recorded in first.items():
+        if name in expected and recorded != expected[name][1]:
+            key, now = expected[name]
+            was = list(recorded.choices) if hasattr(recorded, "choices") else type(recorded).__name__
+            raise StudyError(f"space.{key}", f"the study {settings.study_name!r} sampled {name} from {show(was)}, the "
+                                             f"budget now gives {list(now.choices)}; {_EDITED_SPACE_HELP}")  # fmt: skip
+
+
+_EDITED_SPACE_HELP = "a study keeps its choice lists: restore the list, or start a new study (--study-name)"
 
 
 def _set_up(study: optuna.Study, settings: Settings, now: float) -> float:
@@ -253,7 +340,7 @@ def load_existing_study(settings: Settings) -> optuna.Study:
     storage = open_storage(settings.storage, create=False)
     if _existing_trials(storage, settings.study_name) is None:
         names = [s.study_name for s in storage.get_all_studies()]
-        raise StudyError("study_name", f"no study {settings.study_name!r} in {redact(settings.storage)}; "
+        raise StudyError("study_name", f"no study {settings.study_name!r} in {_shown(settings.storage)}; "
                                        f"it holds {show(names)}")  # fmt: skip
     return optuna.load_study(storage=storage, study_name=settings.study_name)
 
@@ -297,7 +384,7 @@ def _with_driver(url: str) -> str:
         return f"postgresql+psycopg://{rest}"
     if importlib.util.find_spec("psycopg2") is not None:
         return f"postgresql+psycopg2://{rest}"
-    raise StudyError("storage", f"no PostgreSQL driver for {redact(url)}: pip install psycopg2-binary")
+    raise StudyError("storage", f"no PostgreSQL driver for {_shown(url)}: pip install psycopg2-binary")
 
 
 def _engine_kwargs(url: str) -> dict:
@@ -308,6 +395,8 @@ def _engine_kwargs(url: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------- secrets
+# Query parameters that carry a password (libpq and the MySQL drivers read them).
+_SECRET_PARAMETERS = ("password", "passwd", "pwd", "pass", "sslpassword", "secret", "token")
 # The password of a URL: the user info's part after its first colon, up to the last '@' of the host part (a raw '@'
 # in a password is common, and must not leak its tail); and query parameters that carry one (libpq reads them).
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/?#@\s]*):(?P<password>[^/?#\s]*)@")
@@ -315,6 +404,31 @@ _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/?#@\
 _SECRET_QUERY = re.compile(
     r"(?i)(?P<name>[?&;](?:password|passwd|pwd|pass|sslpassword|secret|token)=)(?:[^&#\s:]|:(?!\s|$))*"
 )
+
+
+def _parsed_secrets(storage: str) -> list[str]:
+    """The password of `storage` as SQLAlchemy reads it (every character up to the host's '@': '/', '#', '?' and
+    spaces included), as written and decoded, and the values of its password parameters."""
+    from sqlalchemy.engine import make_url  # late: SQLAlchemy is slow to import, and only a URL needs it
+
+    try:
+        url = make_url(storage)
+    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy reads: the patterns above are all there is
+        return []
+    found = []
+    if url.password:
+        found.append(str(url.password))
+        userinfo = storage.split("://", 1)[1].split("@", 1)[0]
+        found.append(userinfo.partition(":")[2])  # as written, %-encoded
+    for name, value in url.query.items():
+        if name.lower() in _SECRET_PARAMETERS:
+            found += [value] if isinstance(value, str) else list(value)
+    return found
+
+
+def _shown(storage: str) -> str:
+    """A storage as a line may show it: its own password, whatever characters it holds, replaced."""
+    return redact(storage, storage)
 
 
 def redact(text: str, storage: str | None = None) -> str:
@@ -331,6 +445,7 @@ def _secrets(storage: str | None) -> list[str]:
         return []
     found = [m.group("password") for m in _USERINFO.finditer(storage)]
     found += [m.group(0).split("=", 1)[1] for m in _SECRET_QUERY.finditer(storage)]
+    found += _parsed_secrets(storage)
     found += [urllib.parse.unquote(secret) for secret in found]
     # Longest first, so that a password's tail is not replaced before the whole of it; a very short one would only
     # garble the line.

@@ -183,6 +183,19 @@ def existing_study(**kwargs) -> Callable[[Path], None]:
     return make
 
 
+def sampled_study(**choices: list) -> Callable[[Path], None]:
+    """A study of this search (a deadline) whose one finished round sampled each parameter from `choices`."""
+
+    def make(box: Path) -> None:
+        study = optuna.create_study(storage=journal(box / "study.db"), study_name="count-grpo", direction="maximize")
+        distributions = {name: optuna.distributions.CategoricalDistribution(c) for name, c in choices.items()}
+        study.add_trial(optuna.trial.create_trial(value=1.0, params={name: c[0] for name, c in choices.items()},
+                                                  distributions=distributions, user_attrs={"recipe": "sampled"}))
+        study.set_user_attr("deadline", 4e9)
+
+    return make
+
+
 def write(path: str, content: str | bytes) -> Callable[[Path], None]:
     def make(box: Path) -> None:
         target = box / path
@@ -255,6 +268,15 @@ CASES = [
     cli("study_name_too_long", ("--study-name", LONG), "study_name: must be at most 128 characters, got 300"),
     cli("study_name_with_a_newline", ("--study-name", "a\nb"), "study_name: must not hold control characters"),
     cli("study_name_with_a_nul", ("--study-name", "a\0b"), "study_name: must not hold control characters"),
+    cli("study_name_with_a_nel", ("--study-name", "a\x85b"), "study_name: must not hold control characters"),
+    cli("study_name_with_a_csi", ("--study-name", "a\x9b31mb"), "study_name: must not hold control characters"),
+    cli("study_name_with_a_line_separator", ("--study-name", "a\u2028b"), "study_name: must not hold control characters"),  # noqa: E501
+    cli("study_name_with_an_escape", ("--study-name", "a\x1b[2Jb"), "study_name: must not hold control characters"),
+    cli("study_name_not_utf8", ("--study-name", "comptage-\udce9t\udce9"), "study_name: must be UTF-8 text", subprocess=True),  # noqa: E501
+    cli("storage_not_utf8", ("--storage", "st\udcffudy.db"), "storage: must be UTF-8 text", subprocess=True),
+    cli("budget_under_the_home_folder_missing", ("--budget", "~/no-such-budget-file.yaml"), f"budget: cannot read {Path('~/no-such-budget-file.yaml').expanduser()}: no such file"),  # noqa: E501
+    value("study_name_in_the_budget_with_a_c1_control", {"study_name": "count\x9fgrpo"}, "study_name: must not hold control characters"),  # noqa: E501
+    value("warm_start_name_with_a_csi", {"warm_starts.0.name": "strong\x9b"}, "warm_starts[0].name: must not hold control characters"),  # noqa: E501
     cli("storage_empty", ("--storage", ""), "storage: must be a non-empty string"),
     cli("storage_with_a_nul", ("--storage", "st\0udy.db"), "storage: must not hold control characters"),
     cli("budget_empty_path", ("--budget", ""), "budget: . is not a file"),
@@ -289,6 +311,13 @@ CASES = [
     text("budget_sexagesimal_minutes", replace_line("reserve_minutes", "reserve_minutes: 1:00"),
          "reserve_minutes: must be a number, got '1:00'"),
     Case("budget_alias_bomb", "expands to more than", text=alias_bomb, subprocess=True),
+    text("budget_octal_minutes", replace_line("reserve_minutes", "reserve_minutes: 020"), "reserve_minutes: must be a number, got '020'"),  # noqa: E501
+    text("budget_octal_hours", replace_line("hours", "hours: 07"), "hours: must be a number, got '07'"),
+    text("budget_octal_gpus", replace_line("gpus", "gpus: 00"), "gpus: must be an integer in [0, 64] or 'auto', got '00'"),  # noqa: E501
+    text("budget_octal_nested_seed", lambda good: good.replace("  seed: 0\n", "  seed: 010\n", 1), "sampler.seed: must be an integer, got '010'"),  # noqa: E501
+    text("budget_merge_key_overriding_hours", lambda good: good + "<<: {hours: 3}\n", "a merge key (<<) is not allowed"),  # noqa: E501
+    text("budget_merge_key_from_an_anchor", lambda good: good.replace("  seed: 0\n", "  seed: 0\n  <<: &more {n_startup_trials: 1}\n", 1), "a merge key (<<) is not allowed"),  # noqa: E501
+    text("budget_merge_key_of_a_list", lambda good: good + "<<: [{hours: 3}, {gpus: 1}]\n", "a merge key (<<) is not allowed"),  # noqa: E501
     text("budget_recursive_alias", replace_line("study_name", "study_name: &loop [*loop]"), "recursive alias"),
     text("budget_nested_too_deeply", replace_line("study_name", "study_name: " + "[" * 5000 + "]" * 5000),
          "nested too deeply"),
@@ -404,6 +433,8 @@ CASES = [
           "pruner.percentile: must be in [0, 100], got 150"),
     value("pruner_hyperband_fractional_factor", {"pruner": {"type": "hyperband", "reduction_factor": 1.5}},
           "pruner.reduction_factor: must be an integer"),
+    value("pruner_hyperband_min_resource_above_max", {"pruner": {"type": "hyperband", "min_resource": 100, "max_resource": 10}}, "pruner.min_resource: must be <= max_resource (10), got 100: Hyperband would never prune"),  # noqa: E501
+    value("pruner_hyperband_min_resource_one_above_max", {"pruner": {"type": "hyperband", "min_resource": 2, "max_resource": 1}}, "pruner.min_resource: must be <= max_resource (1), got 2"),  # noqa: E501
     value("pruner_hyperband_max_resource_text", {"pruner": {"type": "hyperband", "max_resource": "lots"}},
           "pruner.max_resource: must be an integer"),
     # --- the space
@@ -520,10 +551,31 @@ CASES = [
     box_case("submission_lock_is_a_symlink", lock_symlink, "submission_path: {tmp}/app/.submission.lock is a symlink"),
     box_case("runs_dir_not_writable", None, "runs_dir: /proc is not writable", budget={"runs_dir": "/proc/runs"}),
     box_case("runs_dir_under_a_file", write("blocker", ""), "runs_dir: {tmp}/blocker is not a folder", budget={"runs_dir": lambda t: str(t / "blocker" / "runs")}),  # noqa: E501
+    # --- the box: no two paths in one place
+    box_case("submission_is_the_root", None, "submission_path: is the filesystem root", budget={"submission_path": "/"}),  # noqa: E501
+    box_case("submission_is_the_runs_dir", None, "submission_path: {tmp}/app/submission is the same as runs_dir ({tmp}/app/submission)", budget={"runs_dir": lambda t: str(t / "app" / "submission")}),  # noqa: E501
+    box_case("submission_inside_the_runs_dir", None, "submission_path: {tmp}/app/submission is inside runs_dir ({tmp}/app)", budget={"runs_dir": lambda t: str(t / "app")}),  # noqa: E501
+    box_case("submission_holds_the_runs_dir", None, "submission_path: {tmp}/app/submission holds runs_dir ({tmp}/app/submission/runs)", budget={"runs_dir": lambda t: str(t / "app" / "submission" / "runs")}),  # noqa: E501
+    box_case("submission_is_the_model", None, "submission_path: {tmp}/model is the same as model_path ({tmp}/model)", budget={"submission_path": lambda t: str(t / "model")}),  # noqa: E501
+    box_case("submission_holds_the_model", None, "submission_path: {tmp} holds model_path ({tmp}/model)", budget={"submission_path": lambda t: str(t), "runs_dir": lambda t: f"{t}-runs"}),  # noqa: E501
+    box_case("submission_a_symlink_to_the_model", lambda t: (t / "link").symlink_to(t / "model"), "submission_path: {tmp}/link is the same as model_path", budget={"submission_path": lambda t: str(t / "link")}),  # noqa: E501
+    box_case("submission_holds_the_data", None, "submission_path: {tmp}/app holds train_path ({tmp}/app/train)", budget={"submission_path": lambda t: str(t / "app"), "train_path": lambda t: str(t / "app" / "train")}),  # noqa: E501
+    box_case("submission_is_the_ood_data", None, "submission_path: {tmp}/app/submission is the same as ood_val_path", budget={"ood_val_path": lambda t: str(t / "app" / "submission")}),  # noqa: E501
+    box_case("submission_holds_the_storage", None, "submission_path: {tmp}/app/submission holds storage ({tmp}/app/submission/study.db)", args=("--storage", "{tmp}/app/submission/study.db")),  # noqa: E501
+    box_case("runs_dir_is_the_model", None, "runs_dir: {tmp}/model is the same as model_path", budget={"runs_dir": lambda t: str(t / "model")}),  # noqa: E501
+    box_case("runs_dir_holds_the_model", None, "runs_dir: {tmp} holds model_path ({tmp}/model)", budget={"runs_dir": lambda t: str(t), "submission_path": lambda t: f"{t}-submission"}),  # noqa: E501
+    box_case("runs_dir_inside_the_model", None, "runs_dir: {tmp}/model/runs is inside model_path ({tmp}/model)", budget={"runs_dir": lambda t: str(t / "model" / "runs")}),  # noqa: E501
+    box_case("runs_dir_holds_the_data", None, "runs_dir: {tmp}/r holds val_path ({tmp}/r/val)", budget={"runs_dir": lambda t: str(t / "r"), "val_path": lambda t: str(t / "r" / "val")}),  # noqa: E501
+    box_case("runs_dir_holds_the_storage", None, "runs_dir: {tmp}/r holds storage ({tmp}/r/study.db)", budget={"runs_dir": lambda t: str(t / "r")}, args=("--storage", "{tmp}/r/study.db")),  # noqa: E501
+    box_case("model_holds_the_data", None, "model_path: {tmp}/model holds train_path ({tmp}/model/train)", budget={"train_path": lambda t: str(t / "model" / "train")}),  # noqa: E501
+    box_case("model_holds_the_storage", None, "model_path: {tmp}/model holds storage ({tmp}/model/study.db)", args=("--storage", "{tmp}/model/study.db")),  # noqa: E501
+    box_case("data_holds_the_storage", None, "train_path: {tmp}/d holds storage ({tmp}/d/study.db)", budget={"train_path": lambda t: str(t / "d")}, args=("--storage", "{tmp}/d/study.db")),  # noqa: E501
+    box_case("submission_through_dot_dot_is_the_runs_dir", None, "submission_path: {tmp}/runs is the same as runs_dir", budget={"submission_path": lambda t: str(t / "app" / ".." / "runs"), "runs_dir": lambda t: str(t / "runs")}),  # noqa: E501
     # --- the storage
     box_case("storage_random_bytes", write("study.db", bytes(range(256)) * 8), "storage: study.db is not an Optuna journal file"),  # noqa: E501
     box_case("storage_sqlite_file", lambda t: ((t / "study.db").unlink(), sqlite_file(t / "study.db")), "storage: study.db is not an Optuna journal file (it is an SQLite database: use --storage sqlite:///study.db)"),  # noqa: E501
-    box_case("storage_is_a_folder", None, "storage: {tmp}/app is not a file", args=("--storage", "{tmp}/app")),
+    box_case("storage_is_a_folder", lambda t: (t / "folder").mkdir(), "storage: {tmp}/folder is not a file", args=("--storage", "{tmp}/folder")),  # noqa: E501
+    box_case("storage_is_the_submissions_parent", None, "submission_path: {tmp}/app/submission is inside storage ({tmp}/app)", args=("--storage", "{tmp}/app")),  # noqa: E501
     box_case("storage_is_a_fifo", fifo("pipe.db"), "storage: {tmp}/pipe.db is not a file", args=("--storage", "{tmp}/pipe.db"), subprocess=True),  # noqa: E501
     box_case("storage_unknown_operation", append_line(b'{"op_code": 99, "worker_id": "w"}\n'), "storage: study.db is not an Optuna journal file"),  # noqa: E501
     box_case("storage_line_not_an_operation", append_line(b"[1, 2]\n"), "storage: study.db is not an Optuna journal file"),  # noqa: E501
@@ -534,6 +586,12 @@ CASES = [
     box_case("storage_password_in_the_query", None, "storage: cannot open postgresql://search@127.0.0.1:1/optuna?password=***", args=("--storage", f"postgresql://search@127.0.0.1:1/optuna?password={SECRET}")),  # noqa: E501
     box_case("storage_password_with_an_at_sign", None, "storage: postgresql://search:***@127.0.0.1:1/optuna: the password holds an unencoded '@'", args=("--storage", f"postgresql://search:{SECRET}@x@127.0.0.1:1/optuna")),  # noqa: E501
     box_case("storage_port_not_a_number", None, "storage: cannot open postgresql://search:***@127.0.0.1:port/optuna", args=("--storage", f"postgresql://search:{SECRET}@127.0.0.1:port/optuna")),  # noqa: E501
+    box_case("storage_password_with_a_slash", None, "storage: cannot open postgresql://search:***@127.0.0.1:1/optuna", args=("--storage", f"postgresql://search:{SECRET}/x@127.0.0.1:1/optuna")),  # noqa: E501
+    box_case("storage_password_with_a_hash", None, "storage: cannot open postgresql://search:***@127.0.0.1:1/optuna", args=("--storage", f"postgresql://search:x#{SECRET}@127.0.0.1:1/optuna")),  # noqa: E501
+    box_case("storage_password_with_a_question_mark", None, "storage: cannot open postgresql://search:***@127.0.0.1:1/optuna", args=("--storage", f"postgresql://search:{SECRET}?x=1@127.0.0.1:1/optuna")),  # noqa: E501
+    box_case("storage_password_with_a_space", None, "storage: cannot open postgresql://search:***@127.0.0.1:1/optuna", args=("--storage", f"postgresql://search:{SECRET} x@127.0.0.1:1/optuna")),  # noqa: E501
+    box_case("storage_password_of_slashes_only_in_mysql", None, "storage: cannot open mysql://search:***@127.0.0.1:1/optuna", args=("--storage", f"mysql://search:/{SECRET}/#@127.0.0.1:1/optuna")),  # noqa: E501
+    box_case("storage_query_password_with_a_space", None, "storage: cannot open postgresql://search@127.0.0.1:1/optuna?password=***", args=("--storage", f"postgresql://search@127.0.0.1:1/optuna?password={SECRET} x")),  # noqa: E501
     box_case("storage_url_of_no_database", None, "storage: cannot open nosuchdb://host/db", args=("--storage", "nosuchdb://host/db")),  # noqa: E501
     box_case("storage_mysql_without_a_driver", None, "storage: cannot open mysql://search:***@127.0.0.1:1/optuna", args=("--storage", f"mysql://search:{SECRET}@127.0.0.1:1/optuna")),  # noqa: E501
     box_case("storage_sqlite_in_no_folder", None, "storage: cannot open sqlite:///{tmp}/no/such/x.db", args=("--storage", "sqlite:///{tmp}/no/such/x.db")),  # noqa: E501
@@ -544,6 +602,11 @@ CASES = [
     box_case("study_not_made_by_this_search", existing_study(foreign_trial=True), "was not created by this search (no deadline)"),  # noqa: E501
     box_case("study_deadline_text", existing_study(attrs={"deadline": "tomorrow"}), "study_name: the study 'count-grpo' has a deadline this search cannot have set ('tomorrow')"),  # noqa: E501
     box_case("study_deadline_1e300", existing_study(attrs={"deadline": 1e300}), "has a deadline this search cannot have set (1e+300)"),  # noqa: E501
+    box_case("space_choice_removed_since_the_study_sampled", sampled_study(lora_rank=[0, 16, 64]), "space.lora_rank: the study 'count-grpo' sampled lora_rank from [0, 16, 64], the budget now gives [0, 16]", budget={"space.lora_rank": [0, 16], "warm_starts.0.params.lora_rank": 16}),  # noqa: E501
+    box_case("space_choice_added_since_the_study_sampled", sampled_study(phrasing=["eval", "inherited"]), "space.phrasing: the study 'count-grpo' sampled phrasing from ['eval', 'inherited']"),  # noqa: E501
+    box_case("space_reward_weights_edited_since_the_study_sampled", sampled_study(w_think_format=[0.0, 1.0]), "space.reward_weights.think_format: the study 'count-grpo' sampled w_think_format from [0.0, 1.0]"),  # noqa: E501
+    box_case("space_answer_format_alone_edited", sampled_study(w_answer_format_alone=[0.5, 1.0]), "space.reward_weights.answer_format: the study 'count-grpo' sampled w_answer_format_alone from [0.5, 1.0]"),  # noqa: E501
+    box_case("space_init_pinned_since_the_study_sampled", sampled_study(init=["base", "best"]), "space.init: the study 'count-grpo' sampled init from ['base', 'best'], the budget now gives ['base']", budget={"space.init": ["base"]}),  # noqa: E501
     box_case("study_deadline_nan", existing_study(attrs={"deadline": float("nan")}), "has a deadline this search cannot have set (nan)"),  # noqa: E501
 ]  # fmt: skip
 

@@ -318,7 +318,7 @@ def test_a_kill_during_promotion_leaves_the_previous_submission_whole(tmp_path, 
         worker.kill()
         worker.wait()
     if point == "swap":  # the only window without a submission at its path: the old one waits aside, whole
-        assert not submission.exists() and (tmp_path / "submission.old").is_dir()
+        assert not submission.exists() and (tmp_path / ".submission.old").is_dir()
     else:
         assert {p.name: p.read_bytes() for p in submission.iterdir()} == before
     promotion.recover_submission(submission)  # what the next start does

@@ -177,3 +177,94 @@ def test_why_line_without_scores_or_baseline():
     study.add_trial(create_trial(value=70.0, user_attrs={"recipe": "baseline"}))
     assert why_it_won(study).endswith("the baseline itself leads.")
     assert format_leaderboard(study)  # rows without config render as dashes
+
+
+# ---------------------------------------------------------------------------------------------------------- odd trials
+ODD = {"duration_s": "12s", "format_rate": "high", "val_accuracy": [1, 2], "config": ["not", "a", "mapping"],
+       "mean_completion_tokens": {"n": 3}, "eta": "x", "selection_accuracy": "?", "state": "done\nreally"}  # fmt: skip
+
+
+def _with_odd_trial(study, **attrs):
+    study.add_trial(create_trial(value=50.0, user_attrs={"recipe": "sampled", **attrs}))  # another program wrote it
+    return study.trials[-1].number
+
+
+def test_an_odd_trial_is_shown_as_far_as_it_can_be_with_a_note(study, tmp_path):
+    odd = _with_odd_trial(study, **ODD)
+    md, csv_path = write_leaderboard(study, tmp_path)  # never raises
+    text = md.read_text()
+    [row] = [line for line in text.splitlines() if line.startswith(f"| ") and f"| {odd} |" in line]
+    assert "'12s'?" in row and "'high'?" in row and "50.0" in row and "done really" in row
+    assert f"trial {odd} duration_min" in text and f"trial {odd} format_rate" in text and "marked ?" in text
+    assert sum(1 for line in text.splitlines() if line.startswith("| ")) == len(study.trials) + 1  # every row
+    assert len(list(csv.DictReader(csv_path.open()))) == len(study.trials)
+    terminal = format_leaderboard(study)
+    assert "Best: trial 1" in terminal and f"trial {odd} duration_min" in terminal
+
+
+def test_an_odd_reward_mapping_or_parent_does_not_hide_the_table(study, tmp_path):
+    odd = _with_odd_trial(study, config={"reward_weights": {"accuracy": "one"}, "beta": "b"}, parent={"x": 1},
+                          total_steps="many", duration_s=float("nan"))
+    write_leaderboard(study, tmp_path)
+    rows = {row["trial"]: row for row in leaderboard_rows(study)}
+    assert rows[odd]["ood_acc"] == 50.0 and rows[odd]["beta"] == "b"
+
+
+def test_a_trial_whose_row_cannot_be_built_still_has_a_row(study, tmp_path, monkeypatch):
+    from search import leaderboard
+
+    real_row = leaderboard._row
+    odd = _with_odd_trial(study)
+
+    def breaking(trial, *args):
+        if trial.number == odd:
+            raise KeyError("what a newer version records")
+        return real_row(trial, *args)
+
+    monkeypatch.setattr(leaderboard, "_row", breaking)
+    rows = {row["trial"]: row for row in leaderboard_rows(study)}
+    assert len(rows) == len(study.trials) and rows[odd]["ood_acc"] == 50.0
+    assert rows[odd]["reason"].startswith("unreadable attributes (KeyError")
+    write_leaderboard(study, tmp_path)
+
+
+def test_an_odd_best_trial_keeps_the_table(tmp_path):
+    study = optuna.create_study(direction="maximize")
+    study.add_trial(create_trial(value=90.0, user_attrs={"recipe": "sampled", "eta": "fast", "parent": [1, "x"],
+                                                         "total_steps": {"a": 1}, "duration_s": "1h"}))  # fmt: skip
+    study.add_trial(create_trial(value=10.0, user_attrs={"recipe": "baseline", "config": "text"}))
+    assert "Best: trial 0" in why_it_won(study)
+    md, _ = write_leaderboard(study, tmp_path)
+    assert "'1h'?" in md.read_text()
+
+
+def _journal_study(path, name):
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+    return optuna.create_study(storage=storage, study_name=name, direction="maximize")
+
+
+def test_the_leaderboard_command_shows_a_study_with_an_odd_trial(tmp_path, monkeypatch, capsys):
+    import run_search
+
+    study = _journal_study(tmp_path / "study.db", "shared")
+    study.add_trial(create_trial(value=70.0, user_attrs={"recipe": "base", "duration_s": 60.0}))
+    study.add_trial(create_trial(value=80.0, user_attrs={"recipe": "sampled", "duration_s": "12s"}))
+    monkeypatch.chdir(tmp_path)
+    assert run_search.main(["leaderboard", "--storage", "study.db", "--study-name", "shared"]) == 0
+    out = capsys.readouterr().out
+    assert "Best: trial 1" in out and "'12s'?" in out and "trial 1 duration_min" in out
+
+
+def test_a_failing_last_leaderboard_write_does_not_lose_the_summary(tmp_path, monkeypatch, capsys):
+    import run_search
+    from search import leaderboard
+
+    def full_disk(study, folder):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(leaderboard, "write_leaderboard", full_disk)
+    monkeypatch.chdir(tmp_path)
+    assert run_search.main(["--simulate", "--hours", "1", "--storage", "st/study.db"]) == 0
+    captured = capsys.readouterr()
+    assert "warning: the leaderboard could not be written into st: OSError" in captured.err
+    assert "Traceback" not in captured.err and "\nlog: " in captured.out and "Best: trial" in captured.out

@@ -186,12 +186,12 @@ def test_two_rename_fallback_and_recovery(tmp_path, monkeypatch):
     assert _tag(submission) == "b" and _leftovers(tmp_path) == [".submission.previous", "a", "b"]
 
     # A crash between the two renames: the old submission was moved aside, the new one not yet in place.
-    submission.rename(tmp_path / "submission.old")
+    submission.rename(tmp_path / ".submission.old")
     _model(tmp_path / ".submission.incoming", "half")
     recover_submission(submission)
     assert _tag(submission) == "b" and _leftovers(tmp_path) == [".submission.previous", "a", "b"]
-    # A crash after both renames: only the cleanup is left.
-    shutil.copytree(submission, tmp_path / "submission.old")
+    # A crash after both renames: only keeping the old one aside is left.
+    (tmp_path / ".submission.previous").rename(tmp_path / ".submission.old")
     recover_submission(submission)
     assert _tag(submission) == "b" and _leftovers(tmp_path) == [".submission.previous", "a", "b"]
     # The final check's restore works without the atomic exchange too.
@@ -206,10 +206,91 @@ def test_the_exchange_is_atomic_renameat2(tmp_path):
     assert _tag(a) == "y" and _tag(b) == "x"
 
 
-def test_a_submission_found_before_the_search_is_kept_aside(tmp_path):
+def _kept(folder: Path) -> list[Path]:
+    return sorted(folder.glob("kept-submission-*"))
+
+
+def test_a_submission_found_before_the_search_is_kept_under_the_studys_folder(tmp_path, capsys):
     submission = _model(tmp_path / "submission", "users")  # no PROMOTED.json: not ours
-    assert _promote(_model(tmp_path / "a", "a"), submission, 10.0)
-    assert _tag(submission) == "a" and _tag(tmp_path / "submission.before-search") == "users"
+    (submission / "notes.txt").write_text("mine")
+    study_folder = tmp_path / "runs" / "count-grpo"
+    assert _promote(_model(tmp_path / "a", "a"), submission, 10.0, keep_dir=study_folder)
+    [kept] = _kept(study_folder)
+    assert _tag(submission) == "a" and _tag(kept) == "users" and (kept / "notes.txt").read_text() == "mine"
+    assert "kept them in" in capsys.readouterr().err
+    # A second promotion replaces a promoted submission: nothing more is kept.
+    assert _promote(_model(tmp_path / "b", "b"), submission, 20.0, keep_dir=study_folder)
+    assert _kept(study_folder) == [kept] and _tag(kept) == "users"
+
+
+def test_a_submission_found_before_the_search_is_kept_even_when_a_copy_was_kept_before(tmp_path):
+    """Two searches (two study folders, or the same one twice in a second): each keeping is a new folder."""
+    for tag in ("first", "second"):
+        submission = _model(tmp_path / "submission", tag)
+        assert _promote(_model(tmp_path / f"m-{tag}", "m"), submission, 10.0, keep_dir=tmp_path / "kept")
+        shutil.rmtree(submission)
+    assert sorted(_tag(kept) for kept in _kept(tmp_path / "kept")) == ["first", "second"]
+
+
+def _unrenamable(monkeypatch, folder: Path) -> None:
+    """`folder` behaves as a mount point: it cannot be renamed or exchanged (EBUSY), and is_mount_point says so."""
+    real_rename = os.rename
+
+    def rename(src, dst, *args, **kwargs):
+        if Path(src) == folder or Path(dst) == folder:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(src))
+        return real_rename(src, dst, *args, **kwargs)
+
+    def exchange(a, b):
+        if folder in (Path(a), Path(b)):
+            raise PromotionError(f"exchanging {a} and {b} failed: {os.strerror(errno.EBUSY)}")
+        return False
+
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(promotion, "_exchange", exchange)
+    monkeypatch.setattr(promotion, "is_mount_point", lambda path: Path(path) == folder)
+
+
+def test_a_mount_point_submission_keeps_the_files_found_in_it(tmp_path, monkeypatch):
+    submission = tmp_path / "mnt" / "submission"
+    submission.mkdir(parents=True)
+    (submission / "data").mkdir()
+    (submission / "data" / "rows.parquet").write_text("the user's data")
+    (submission / "readme.txt").write_text("hello")
+    os.symlink("/nowhere", submission / "dangling")
+    _unrenamable(monkeypatch, submission)
+    keep = tmp_path / "runs" / "study"
+    assert _promote(_model(tmp_path / "a", "a"), submission, 70.0, keep_dir=keep)
+    assert _tag(submission) == "a" and not (submission / "readme.txt").exists()
+    [kept] = _kept(keep)
+    assert (kept / "data" / "rows.parquet").read_text() == "the user's data"
+    assert (kept / "readme.txt").read_text() == "hello" and os.readlink(kept / "dangling") == "/nowhere"
+    # The next promotion replaces a promoted submission in place; nothing more to keep.
+    assert _promote(_model(tmp_path / "b", "b"), submission, 80.0, keep_dir=keep)
+    assert _tag(submission) == "b" and _kept(keep) == [kept]
+
+
+def test_files_that_cannot_be_kept_are_not_deleted(tmp_path, monkeypatch):
+    submission = _model(tmp_path / "submission", "users")
+    monkeypatch.setattr(promotion, "_keep", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
+    with pytest.raises(OSError, match="No space"):
+        _promote(_model(tmp_path / "a", "a"), submission, 70.0, keep_dir=tmp_path / "runs")
+    assert _tag(submission) == "users" and not (tmp_path / ".submission.incoming").exists()
+
+
+def test_a_users_submission_old_is_never_touched(tmp_path, monkeypatch):
+    """`submission.old` beside the submission is the user's: neither a crash's leftover nor a place the swap uses."""
+    monkeypatch.setattr(promotion, "_exchange", lambda a, b: False)  # the two-rename swap, which moves one aside
+    submission = tmp_path / "submission"
+    users = _model(tmp_path / "submission.old", "users")
+    _promote(_model(tmp_path / "a", "a"), submission, 70.0)
+    recover_submission(submission)
+    assert _promote(_model(tmp_path / "b", "b"), submission, 80.0)
+    recover_submission(submission)
+    assert _tag(users) == "users" and _tag(submission) == "b"
+    shutil.rmtree(submission)  # and with no submission, recovery does not take it for a swap cut short
+    recover_submission(submission)
+    assert not submission.exists() and _tag(users) == "users"
 
 
 def test_workers_serialize_on_the_lock(tmp_path):

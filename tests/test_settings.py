@@ -295,6 +295,17 @@ def test_check_box_refuses_unwritable_places(box, tmp_path):
         check_box(dataclasses.replace(box, runs_dir=str(blocker / "runs")))
 
 
+def test_check_box_accepts_folders_whose_names_only_share_a_prefix(box, tmp_path):
+    import dataclasses
+
+    (tmp_path / "app" / "sub").mkdir()
+    check_box(dataclasses.replace(box, submission_path=str(tmp_path / "app" / "sub"),
+                                  runs_dir=str(tmp_path / "app" / "sub2"), storage=str(tmp_path / "app" / "sub3")))
+    with pytest.raises(BoxError, match=r"^submission_path: .*/app/sub holds runs_dir \(.*/app/sub/2\)"):
+        check_box(dataclasses.replace(box, submission_path=str(tmp_path / "app" / "sub"),
+                                      runs_dir=str(tmp_path / "app" / "sub" / "2")))
+
+
 def test_settings_are_frozen():
     settings = load_settings(BUDGET)
     with pytest.raises(Exception):

@@ -263,3 +263,121 @@ def test_passwords_are_redacted_whatever_the_url_looks_like(url, secret):
     redacted = study_module.redact(line, url)
     assert secret not in redacted and urllib.parse.unquote(secret) not in redacted and "***" in redacted
     assert "db" in redacted  # the host stays: the message still says which database
+
+
+# ---------------------------------------------------------------------------------------------------------- a torn journal
+def _plain_optuna(path: str) -> optuna.storages.JournalStorage:
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
+
+
+@pytest.mark.parametrize("tail", [b'{"op_code": 5, "worker_id": "w", "trial', b'{"op_code": 0}', b"\0\0\0\0"])
+def test_a_torn_last_line_is_cut_after_keeping_the_file_and_the_study_stays_readable(settings, capsys, tail):
+    study, _ = open_study(settings, now=0.0)
+    study.tell(study.ask(), 1.0)
+    path = Path(settings.storage)
+    with path.open("ab") as journal:  # a kill in the middle of an append
+        journal.write(tail)
+    torn = path.read_bytes()
+    resumed, _ = open_study(settings, now=0.0)
+    resumed.tell(resumed.ask(), 2.0)  # appends: after a whole line, not after the torn one
+    [kept] = path.parent.glob("study.db.torn-*")
+    assert kept.read_bytes() == torn and path.read_bytes().startswith(torn[: -len(tail)])
+    err = capsys.readouterr().err
+    assert len([line for line in err.splitlines() if "torn" in line]) == 1 and str(kept) in err
+    loaded = optuna.load_study(study_name=settings.study_name, storage=_plain_optuna(str(path)))
+    values = [t.value for t in loaded.trials]
+    assert 1.0 in values and 2.0 in values
+
+
+def test_a_journal_ending_in_a_whole_line_is_not_touched(settings):
+    open_study(settings, now=0.0)
+    before = Path(settings.storage).read_bytes()
+    open_study(settings, now=0.0)
+    assert Path(settings.storage).read_bytes() == before and not list(Path(settings.storage).parent.glob("*.torn-*"))
+
+
+def test_reading_a_torn_journal_for_the_leaderboard_writes_nothing(settings):
+    open_study(settings, now=0.0)
+    with Path(settings.storage).open("ab") as journal:
+        journal.write(b'{"op_code"')
+    before = Path(settings.storage).read_bytes()
+    assert load_existing_study(settings).study_name == settings.study_name
+    assert Path(settings.storage).read_bytes() == before
+
+
+# ---------------------------------------------------------------------------------------------------------- an edited space
+def _space_with(settings, **changes):
+    return dataclasses.replace(settings, space={**settings.space, **changes})
+
+
+def _sample_one(settings) -> None:
+    from search.space import sample_config
+
+    study, _ = open_study(dataclasses.replace(settings, warm_starts=[]), now=0.0)  # the queue: round 0 alone
+    trial = study.ask()
+    sample_config(trial, settings, "run")
+    study.tell(trial, 1.0)
+
+
+@pytest.mark.parametrize("key, changes", [
+    ("space.lora_rank", {"lora_rank": [0, 16]}),
+    ("space.loss_type", {"loss_type": ["dapo", "grpo", "dr_grpo"]}),  # the same choices in another order
+    ("space.init", {"init": ["base"]}),  # pinned
+])  # fmt: skip
+def test_an_edited_choice_list_is_refused_in_one_line_naming_its_key(settings, key, changes):
+    _sample_one(settings)
+    with pytest.raises(StudyError, match=rf"^{key}: the study 'count-grpo' sampled \w+ from .*budget now gives"):
+        open_study(_space_with(settings, **changes), now=0.0)
+    running = optuna.load_study(study_name=settings.study_name, storage=_plain_optuna(settings.storage))
+    assert not running.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+
+
+def test_an_edited_reward_weight_list_names_the_reward(settings):
+    _sample_one(settings)
+    weights = {**settings.space["reward_weights"], "brevity": [0.0, 0.5]}
+    with pytest.raises(StudyError, match=r"^space\.reward_weights\.brevity: .* w_brevity from \[0\.0, 0\.25, 0\.5\]"):
+        open_study(_space_with(settings, reward_weights=weights), now=0.0)
+
+
+def test_an_edited_range_is_adopted(settings):
+    from search.space import sample_config
+
+    _sample_one(settings)
+    edited = _space_with(settings, steps={"low": 60, "high": 200, "step": 20}, beta={"low": 0.01, "high": 0.02})
+    study, _ = open_study(edited, now=0.0)
+    config = sample_config(study.ask(), edited, "run")
+    assert 60 <= config.steps <= 200 and (config.beta == 0.0 or 0.01 <= config.beta <= 0.02)
+
+
+def test_a_queued_warm_start_outside_an_edited_list_is_refused(settings):
+    open_study(settings, now=0.0)  # the warm starts queued, nothing sampled yet: lora_rank 64 waits in the queue
+    with pytest.raises(StudyError, match=r"^space\.lora_rank: queued trial 1 \(strong\) has lora_rank 64"):
+        open_study(_space_with(settings, lora_rank=[0, 16]), now=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------- secrets, ~
+@pytest.mark.parametrize("password", ["hunter/2secret", "hunter#2secret", "hunter?2secret", "hunter 2secret",
+                                      "/#?hunter2", "hunter2%2Fsecret", "a b/c#d?e"])  # fmt: skip
+def test_a_password_of_any_characters_is_never_shown(password):
+    url = f"postgresql://search:{password}@db:5432/optuna?sslmode=require"
+    line = f"storage: cannot open {url}: the server said {password!r}, {urllib.parse.unquote(password)}"
+    redacted = study_module.redact(line, url)
+    assert password not in redacted and urllib.parse.unquote(password) not in redacted
+    assert "search:***@db:5432/optuna?sslmode=require" in redacted
+
+
+def test_a_journal_path_under_the_home_folder_gets_its_log_and_leaderboard_beside_it(tmp_path, monkeypatch):
+    import run_search
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert run_search.main(["--simulate", "--hours", "1", "--storage", "~/x/st.db"]) == 0
+    assert {p.name for p in (tmp_path / "home" / "x").iterdir()} >= {"st.db", "search.log", "leaderboard.md"}
+    assert list((tmp_path / "cwd").iterdir()) == []  # no literal ./~ folder
+
+
+def test_a_budget_path_under_the_home_folder_is_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copy(BUDGET, tmp_path / "mine.yaml")
+    assert load_settings("~/mine.yaml", storage="~/st.db").storage == str(tmp_path / "st.db")

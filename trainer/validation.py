@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import math
 import reprlib
+import unicodedata
 from typing import Any, Iterable, Mapping
 
 MAX_MESSAGE = 400  # characters of one error message; the rest is cut
@@ -117,11 +118,15 @@ def boolean(key: str, value: Any, *, error: type[InvalidValue] = InvalidValue) -
 
 
 def text(key: str, value: Any, *, max_length: int | None = None, error: type[InvalidValue] = InvalidValue) -> str:
-    """A non-empty, non-blank string without control characters (a newline would break a one-line message, a NUL
-    every path and database call), of at most `max_length` characters."""
+    """A non-empty, non-blank string of UTF-8 text without control characters (C0, DEL and C1: a newline or NEL would
+    break a one-line message, a CSI rewrite the terminal, a NUL every path and database call; nor the line and
+    paragraph separators), of at most `max_length` characters. Bytes of the command line that are not UTF-8 arrive as
+    lone surrogates (Python's surrogateescape), which no file or database takes: refused too."""
     if not isinstance(value, str) or not value.strip():
         raise error(key, f"must be a non-empty string, got {show(value)}")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+    if any(unicodedata.category(c) == "Cs" for c in value):
+        raise error(key, f"must be UTF-8 text, got bytes that are not: {show(value)}")
+    if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in value):
         raise error(key, f"must not hold control characters, got {show(value)}")
     if max_length is not None and len(value) > max_length:
         raise error(key, f"must be at most {max_length} characters, got {len(value)}")
