@@ -48,3 +48,17 @@ def test_soup_cost_times_a_build_in_a_child_and_reads_its_peak(tmp_path, tiny_mo
     assert figures["peak_rss_gb"] > 0 and figures["peak_anon_gb"] > 0
     assert (tmp_path / "soup" / "merged" / "config.json").is_file()
     assert json.loads((tmp_path / "soup" / "status.json").read_text())["state"] == "completed"
+
+
+def test_kill_loop_kills_a_search_runs_it_again_and_reads_the_journal_with_plain_optuna(tmp_path):
+    import random
+
+    from bench import kill_loop
+
+    journal = tmp_path / "study.db"
+    assert kill_loop.journal_state(journal, "none") == {"readable": True, "trials": 0, "running": 0}
+    result = kill_loop.one_run(journal, 0, random.Random(1), max_delay=3.0, hours=1.0, timeout=300)
+    assert result["signal"] in ("SIGINT", "SIGTERM", "SIGKILL") and result["second_rc"] == 0
+    assert not result["first_traceback"] and not result["second_traceback"]
+    assert result["after_rerun"]["readable"] and result["after_rerun"]["running"] == 0
+    assert result["after_rerun"]["trials"] >= result["after_kill"].get("trials", 0)
