@@ -16,7 +16,6 @@ its Wilson 95% interval, and each arm minus the best round on the same rows with
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -28,7 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.learning import accuracy_entry, paired_difference, score  # noqa: E402
-from bench.search_vs_baseline import KINDS, budget_copy, machine, run_search  # noqa: E402
+from bench.search_vs_baseline import KINDS, append_line, budget_copy, machine, run_search  # noqa: E402
 
 
 def seeded_budget(work: Path, sampler_seed: int) -> Path:
@@ -159,9 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"hours": args.hours, "sampler_seed": sampler_seed, "machine": machine(args.device), "stage": stage,
                   **compare(models, f"round{stage['best_round']}", work, args.n_eval, args.seed, args.device)}
         print(format_result(result), flush=True)
-        if args.out:
-            with args.out.open("a") as handle:
-                handle.write(json.dumps(result) + "\n")
+        append_line(args.out, result)
     return 0
 
 

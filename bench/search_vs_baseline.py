@@ -150,10 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     result = {"hours": args.hours, "machine": machine(args.device), "trials": trials(study),
               **compare(arms(settings, study), args.work, args.n_eval, args.seed, args.device)}
     print(format_result(result), flush=True)
-    if args.out:
-        with args.out.open("a") as handle:
-            handle.write(json.dumps(result) + "\n")
+    append_line(args.out, result)
     return 0
+
+
+def append_line(path: Path | None, result: dict[str, Any]) -> None:
+    """`result` appended to `path` as one JSON line (nothing without a path)."""
+    if path is not None:
+        with path.open("a") as handle:
+            handle.write(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ round's slot as the driver reports it (nvidia-smi: the scheduler creates no CUDA
 
 from __future__ import annotations
 
+import os
 import subprocess
 from dataclasses import dataclass
 from typing import Callable
@@ -99,8 +100,6 @@ def card_bytes_of(gpu_memory_gb: float | None) -> Callable[[list[int]], float | 
 def _driver_totals() -> dict[int, float]:
     """Each visible GPU's total memory in bytes, by its index among the visible ones; {} when the driver cannot
     tell."""
-    import os
-
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30, check=True).stdout  # fmt: skip
