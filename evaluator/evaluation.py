@@ -22,6 +22,7 @@ from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
 from evaluator.data import DataError, load_split, subset_indices, validate_solutions
 from evaluator.generation import Completion, generate_completions
+from evaluator.gpu_memory import cap_gpu_memory
 from evaluator.protocol import GENERATION_KWARGS
 from evaluator.repeated_kv_cache import use_repeated_kv_attention
 from evaluator.report import build_report
@@ -270,9 +271,7 @@ def _run_shard(
     """One worker: load the model on `device` and generate its rows' completions, in their order."""
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(device)  # keeps this process's CUDA context off the other workers' GPUs
-        if gpu_memory_gb is not None:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_memory_gb * 1e9 / total), device)
+        cap_gpu_memory(device, gpu_memory_gb)
     elif workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))  # CPU workers share the cores
     model, processor = load_model(model_dir, device, batched_vision_attention, folded_gqa_attention, repeated_kv_cache)

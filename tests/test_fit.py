@@ -173,10 +173,10 @@ def test_the_search_passes_the_cap_to_the_rounds_and_their_evaluation(tmp_path):
 def test_the_cap_makes_an_allocation_above_it_fail_on_a_gpu():
     import torch
 
-    from trainer.round import cap_gpu_memory
+    from evaluator.gpu_memory import cap_gpu_memory
 
     device = torch.device("cuda:0")
-    cap_gpu_memory(config(gpu_memory_gb=2.0), torch.device("cuda"))  # as accelerate names it: no index
+    cap_gpu_memory(torch.device("cuda"), 2.0)  # as accelerate names the trainer's device: no index
     try:
         small = torch.empty(int(1e9), dtype=torch.uint8, device=device)  # 1 GB: under the cap
         del small

@@ -30,6 +30,7 @@ from transformers.image_utils import SizeDict
 from trl import GRPOConfig
 
 from evaluator.generation import generate_completions
+from evaluator.gpu_memory import cap_gpu_memory
 from evaluator.protocol import extract_answer, parse_gold
 from evaluator.vision_attention import use_batched_vision_attention
 from trainer import memory
@@ -94,7 +95,7 @@ def run_round(config: TrialConfig) -> RoundResult:
     settings: dict[str, Any] = {}
     try:
         layout = batch_layout(config, distributed.num_processes)
-        cap_gpu_memory(config, distributed.device)
+        cap_gpu_memory(distributed.device, config.gpu_memory_gb)  # a round too big for that card fails here too
         trainer, progress = _build_trainer(config, layout, start, stop, distributed.device, settings)
         timings["setup"] = time.monotonic() - start
 
@@ -219,15 +220,6 @@ def card_bytes(config: TrialConfig, device: torch.device) -> float:
     """The GPU memory the round may use: the card's, or `gpu_memory_gb` when that is less."""
     total = torch.cuda.get_device_properties(device).total_memory
     return total if config.gpu_memory_gb is None else min(total, config.gpu_memory_gb * 1e9)
-
-
-def cap_gpu_memory(config: TrialConfig, device: torch.device) -> None:
-    """Make the card behave as one of `gpu_memory_gb` (an H200 rehearsing the box's 48 GB card): the caching
-    allocator refuses to hold more, so a round that would not fit there runs out of memory here too."""
-    if device.type == "cuda" and config.gpu_memory_gb is not None:
-        index = torch.cuda.current_device() if device.index is None else device.index  # accelerate's "cuda" has none
-        total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_gb * 1e9 / total), index)
 
 
 def memory_plan(config: TrialConfig, model: torch.nn.Module, layout: BatchLayout, device: torch.device) -> memory.Plan:
