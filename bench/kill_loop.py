@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--hours", type=float, default=168)
-    parser.add_argument("--max-delay", type=float, default=20.0, help="seconds after the start the signal comes, at most")
+    parser.add_argument("--max-delay", type=float, default=20.0, help="the signal's latest second after the start")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a command may take")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)

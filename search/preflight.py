@@ -51,11 +51,12 @@ def preflight(settings: Settings, say: Callable[[str], None] = print) -> int:
     failed)."""
     began = time.monotonic()
     rows = [Row("box", True, _box_text(settings))]
-    config = heaviest_admitted(settings)
+    check = FitCheck(lambda: model_config(settings.model_path), card_bytes_of(settings.gpu_memory_gb))
+    config = heaviest_admitted(settings, check)
     if config is None:
         rows.append(Row("fit", False, "no configuration of the space fits its card"))
     else:
-        round_rows, timings = _rounds(settings, config)
+        round_rows, timings = _rounds(settings, config, check)
         rows += round_rows
     rows.append(_disk(settings))
     if config is not None and all(row.ok for row in rows):
@@ -97,12 +98,11 @@ def _config(settings: Settings, recipe: dict) -> TrialConfig:
     return space.sample_config(study.ask(), settings, str(run_dir))
 
 
-def heaviest_admitted(settings: Settings) -> TrialConfig | None:
-    """Of `candidates`, the one of the highest predicted peak that the fit check admits on the first slot's card
-    (on the CPU, or a card of unknown memory: the one of the largest footprint)."""
+def heaviest_admitted(settings: Settings, check: FitCheck) -> TrialConfig | None:
+    """Of `candidates`, the one of the highest predicted peak that `check` admits on the first slot's card (on the
+    CPU, or a card of unknown memory: the one of the largest footprint)."""
     from trainer import memory
 
-    check = _fit_check(settings)
     best, best_peak = None, -math.inf
     for config in candidates(settings):
         fit = check(config, settings.slots[0])
@@ -118,15 +118,10 @@ def heaviest_admitted(settings: Settings) -> TrialConfig | None:
     return best
 
 
-def _fit_check(settings: Settings) -> FitCheck:
-    return FitCheck(lambda: model_config(settings.model_path), card_bytes_of(settings.gpu_memory_gb))
-
-
-def _rounds(settings: Settings, config: TrialConfig) -> tuple[list[Row], list[dict]]:
+def _rounds(settings: Settings, config: TrialConfig, fit_check: FitCheck) -> tuple[list[Row], list[dict]]:
     """The check's round on every slot at once, each in its own folder: its rows, and the timings of those that
     completed."""
     backend = LocalBackend(dataclasses.replace(settings, ood_rows=CHECK_OOD_ROWS, val_rows=0))
-    fit_check = _fit_check(settings)
     folder = Path(settings.rounds_dir) / PREFLIGHT_DIR
     rows: list[Row] = []
     running = []
@@ -213,8 +208,9 @@ def _budget(settings: Settings, config: TrialConfig, timings: list[dict]) -> Row
     minutes = model.estimate(config).total / 60
     per_slot = max(0, math.floor((60 * settings.hours - settings.reserve_minutes) / minutes))
     total = per_slot * len(settings.slots)
+    slots = len(settings.slots)
     return Row("budget", True, f"about {total} rounds of the heaviest configuration at {config.steps} steps "
-                               f"({minutes:.0f} min each) in {settings.hours:g} h on {len(settings.slots)} slot(s)")  # fmt: skip
+                               f"({minutes:.0f} min each) in {settings.hours:g} h on {slots} slot(s)")  # fmt: skip
 
 
 def _box_text(settings: Settings) -> str:

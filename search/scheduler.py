@@ -408,9 +408,7 @@ class Scheduler:
         trial.set_user_attr("reason", reason)
         self._tell(trial, state=TrialState.PRUNED)
         self._say(f"round {trial.number} not run: {reason}")
-        self._misfits += 1
-        if self._misfits >= MAX_CONSECUTIVE_MISFITS:
-            self._close(f"{self._misfits} sampled configurations in a row do not fit their card or round_max_minutes")
+        self._count_misfit()
 
     def _refuse_unfit(self, trial: optuna.Trial, fit: Fit) -> None:
         """A round no memory plan fits on its card is not launched: told PRUNED without a value (a bad point TPE
@@ -418,6 +416,9 @@ class Scheduler:
         _set_user_attrs(trial, {"state": RoundState.PRUNED, "reason": fit.reason(), **fit.attrs()})
         self._tell(trial, state=TrialState.PRUNED)
         self._say(f"round {trial.number} not run: {fit.reason()}")
+        self._count_misfit()
+
+    def _count_misfit(self) -> None:
         self._misfits += 1
         if self._misfits >= MAX_CONSECUTIVE_MISFITS:
             self._close(f"{self._misfits} sampled configurations in a row do not fit their card or round_max_minutes")

@@ -627,7 +627,8 @@ def _check_layouts(settings: Settings) -> None:
         return
     prompts = settings.fixed.get("prompts_per_step", TrialConfig.prompts_per_step)
     groups = set(settings.space["num_generations"])
-    groups |= {start["params"]["num_generations"] for start in settings.warm_starts if "num_generations" in start["params"]}
+    groups |= {start["params"]["num_generations"] for start in settings.warm_starts
+               if "num_generations" in start["params"]}  # fmt: skip
     for group in sorted(groups):
         if (prompts * group) % settings.gpus_per_trial:
             raise SettingsError(

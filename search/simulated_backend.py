@@ -65,8 +65,7 @@ TRUE_BUILD_MODEL_S = 20.0  # per model a merge reads, on the simulated box
 # (search.fit) with the 2B model's architecture, as on the box.
 CARD_GB = 48.0
 # A round on n GPUs steps 1 + MULTI_GPU_EFFICIENCY x (n - 1) times as fast (data-parallel over NCCL: each GPU
-# generates and trains its share of the step's completions, the gradients are all-reduced). Assumed, not measured:
-# no machine of several GPUs was lent to measure it.
+# generates and trains its share of the step's completions, the gradients are all-reduced). Assumed, not measured.
 MULTI_GPU_EFFICIENCY = 0.85
 
 

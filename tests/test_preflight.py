@@ -87,9 +87,14 @@ def test_disk_counts_every_model_the_search_keeps(tmp_path, tiny_model_dir, demo
 def test_the_heaviest_candidate_of_the_space_is_chosen(tmp_path, tiny_model_dir, demo_box):
     """On the CPU nothing is checked against a card: the heaviest footprint, full fine-tuning of the largest group
     with the KL reference."""
+    from search.fit import FitCheck
+    from search.local_backend import model_config
+
     settings = load_settings(budget(tmp_path, tiny_model_dir, demo_box))
-    config = preflight.heaviest_admitted(settings)
-    assert config.lora_rank == 0 and config.num_generations == max(settings.space["num_generations"])
+    no_card = FitCheck(lambda: model_config(settings.model_path), lambda gpus: None)
+    config = preflight.heaviest_admitted(settings, no_card)
+    space = settings.space
+    assert config.lora_rank == 0 and config.num_generations == max(space["num_generations"])
     assert config.beta > 0
-    assert len(preflight.candidates(settings)) == (len(settings.space["lora_rank"]) * len(settings.space["num_generations"])
-                                                    * len(settings.space["max_pixels"]) * 2)  # fmt: skip
+    corners = len(space["lora_rank"]) * len(space["num_generations"]) * len(space["max_pixels"]) * 2
+    assert len(preflight.candidates(settings)) == corners

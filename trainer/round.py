@@ -173,8 +173,9 @@ def _build_trainer(
         for layer in model.model.language_model.layers:
             layer.compile(dynamic=True)
     plan = memory_plan(config, model, layout, device)
+    peak_gb = None if plan.peak_bytes is None else round(plan.peak_bytes / memory.GiB, 2)
     settings.update(liger_kernels=liger, checkpoint_every=plan.checkpoint_every, micro_batches=plan.micro_batches,
-                    estimated_peak_gb=None if plan.peak_bytes is None else round(plan.peak_bytes / memory.GiB, 2))  # fmt: skip
+                    estimated_peak_gb=peak_gb)  # fmt: skip
     processor = _training_processor(config)
     if FORMAT_RATE not in config.reward_weights:  # else the configured reward of that name is logged as it
         reward_funcs, reward_weights = reward_funcs + [format_rate], reward_weights + [0.0]
