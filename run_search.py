@@ -21,7 +21,7 @@ from pathlib import Path
 
 from search.run import Request, run
 from search.study import redact
-from trainer.validation import one_line
+from common.validation import one_line
 
 PROG = "run_search.py"
 

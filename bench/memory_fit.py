@@ -1,5 +1,5 @@
 """Does the fit check tell the truth? Rounds of the 2B architecture (random weights) run under a `gpu_memory_gb` cap,
-each in a fresh process, and the search's prediction (search.fit, before any launch) set beside what the CUDA
+each in a fresh process, and the search's prediction (search.backends.fit, before any launch) set beside what the CUDA
 allocator measured: its peak allocated and reserved bytes, and whether the round ran out of memory.
 
     python bench/memory_fit.py --work /tmp/memory-fit --cap-gb 48 --out bench/results/DATE-h200-memory-fit.json
@@ -53,7 +53,7 @@ def predicted(config, model: Path) -> dict[str, Any]:
     """What the search predicts before the launch: the plan on a card of `gpu_memory_gb`, one GPU."""
     from transformers import AutoConfig
 
-    from search.fit import FitCheck
+    from search.backends.fit import FitCheck
 
     fit = FitCheck(lambda: AutoConfig.from_pretrained(model), lambda gpus: config.gpu_memory_gb * 1e9)(config, [0])
     return {"fits": fit.fits, **fit.attrs()}

@@ -8,7 +8,7 @@ different-renderer splits (another seed than the demo box's: rows no round or st
 
 Each sampler seed is one search (the demo's taught model and box are the same; its rounds differ). Every round's
 weights are kept (`keep_rounds`); the stage deletes the weights of candidates beaten on its selection rows, so those
-are built again from their ingredients with search.soup (the same build, so the same weights). Figures: accuracy with
+are built again from their ingredients with search.merge.soup (the same build, so the same weights). Figures: accuracy with
 its Wilson 95% interval, and each arm minus the best round on the same rows with its paired 95% interval
 (bench/learning.py's statistics).
 """
@@ -53,8 +53,8 @@ def arms(settings, study, work: Path) -> tuple[dict[str, Path], dict[str, Any]]:
     """The model folders compared (the best round, each merge candidate, the submission) and what the stage did."""
     from optuna.trial import TrialState
 
-    from search.promotion import promoted
-    from search.soup import MergeSpec, build
+    from search.promotion.submission import promoted
+    from search.merge.soup import MergeSpec, build
     from trainer.run_folder import MERGED_DIR
 
     done = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE and t.value is not None]

@@ -1,5 +1,5 @@
 """What a promotion's check costs with the real 2B architecture (random weights): the seconds of
-`search.verification.verify` as the search runs it (a checker interpreter started ahead, loading the model as the
+`search.promotion.verification.verify` as the search runs it (a checker interpreter started ahead, loading the model as the
 verifier does, then 50 recorded ood_val rows generated again) with its parts, against the load check alone, on the
 GPU a finished round leaves free; with --generation-parts, where the generation of those rows goes, in this process.
 
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from evaluator.evaluation import evaluate
-    from search import verification
-    from search.verification import expected_answers, verify
+    from search.promotion import verification
+    from search.promotion.verification import expected_answers, verify
     from synthetic.models import build_model
     from synthetic.splits import write_split
 

@@ -27,7 +27,7 @@ import transformers
 
 from evaluator.data import DataError
 from evaluator.evaluation import DEFAULT_CPU_BATCH_SIZE, DEFAULT_GPU_BATCH_SIZE, ModelError, Split, evaluate_splits
-from evaluator.process_exit import exit_now
+from common.process_exit import exit_now
 
 EXIT_BAD_INPUT = 2
 EXIT_NOT_ASKED = 3

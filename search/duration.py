@@ -1,6 +1,6 @@
 """How long a round will take, predicted from its TrialConfig and refitted on the rounds that finished.
 
-A round is four measured parts (`search.backend.TIMING_KEYS`): setup, train, save, eval (a merge candidate is
+A round is four measured parts (`search.backends.base.TIMING_KEYS`): setup, train, save, eval (a merge candidate is
 two: build, one constant per model it reads, and eval). Setup, save and eval
 cost the same for every round (the same model, the same evaluation rows), so each is one constant. In training, a
 generation batch decodes for as long as its longest completion, which is the cap
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from search.backend import TIMING_KEYS as PARTS
+from search.backends import TIMING_KEYS as PARTS
 
 ROUND_PARTS = ("setup", "train", "save", "eval")  # a training round's parts; a merge's are build and eval
 from trainer.config import TrialConfig
@@ -52,7 +52,7 @@ SAVE_S = 10.0  # merge, save_pretrained of 4.4 GB
 # the round trains (LocalBackend starts the evaluator beside the trainer).
 EVAL_LOAD_S = 75.0
 EVAL_ROW_S = 0.03
-# A merge candidate's build, per model it reads (search.soup: the 2B model's 4.4 GB read, averaged in float32, the
+# A merge candidate's build, per model it reads (search.merge.soup: the 2B model's 4.4 GB read, averaged in float32, the
 # result written): bench/soup_cost.py on a CPU.
 BUILD_MODEL_S = 8.0
 # The box's 48 GB cards against an H200: a guess (less bandwidth and compute; decode is partly launch-bound),

@@ -1,9 +1,9 @@
 """`python run_search.py check`: before the long search, does a real round fit and train on this box? In minutes.
 
 1. the box check (search.settings.check_box, before: bad input is one line and exit code 2);
-2. the heaviest configuration of the space that the fit check admits (search.fit) on each slot's card;
+2. the heaviest configuration of the space that the fit check admits (search.backends.fit) on each slot's card;
 3. on every slot at once, a real round of that configuration: 2 steps on the real model and data, saved and merged,
-   then the evaluation of CHECK_OOD_ROWS ood_val rows, exactly as the search runs rounds (search.local_backend);
+   then the evaluation of CHECK_OOD_ROWS ood_val rows, exactly as the search runs rounds (search.backends.local);
 4. the free disk against what the search keeps: the submission, `keep_rounds` and the best round, the merge stage's
    top_k ingredients and a candidate, and the rounds running at once, each the size of the base model;
 5. the rounds the budget is predicted to hold: the scheduler's duration model, refitted on the check's own setup,
@@ -27,11 +27,10 @@ import optuna
 
 from search import space
 from search.duration import DurationModel
-from search.fit import FitCheck, card_bytes_of
-from search.local_backend import LocalBackend, model_config
+from search.backends import FitCheck, LocalBackend, card_bytes_of, model_config
 from search.settings import Settings
 from trainer.config import TrialConfig
-from trainer.validation import one_line
+from common.validation import one_line
 
 CHECK_STEPS = 2
 CHECK_OOD_ROWS = 16

@@ -23,7 +23,7 @@ from typing import Iterator
 from search import interrupts, log
 from search.settings import BUDGET, DEMO_BUDGET, Settings, SettingsError, check_box, load_settings
 from search.study import load_existing_study, open_study, redact
-from trainer.validation import InvalidValue, is_number
+from common.validation import InvalidValue, is_number
 
 # A rehearsal gets its own journal file and a fresh study each time, so it never mixes with the real study.
 SIMULATED_STORAGE = "simulated/study.db"
@@ -96,7 +96,7 @@ def _load(request: Request, **overrides: str | None) -> Settings:
 
 
 def _print_leaderboard(request: Request) -> int:
-    from search.leaderboard import format_leaderboard
+    from search.report import format_leaderboard
 
     if request.simulate:
         raise SettingsError("leaderboard", "--simulate is for a search; give the simulated study's --storage instead")
@@ -141,8 +141,9 @@ def _search(request: Request, storage: dict[str, str | None], recording: log.Rec
         with _reading("box"):
             check_box(settings)  # before the study exists, so bad input leaves nothing behind
 
-    from search.clock import VirtualClock, WallClock
-    from search.hooks import RoundEnd, RoundPlot, recorded_promotion
+    from search.backends import VirtualClock, WallClock
+    from search.promotion import RecordingPromoter, SubmissionPromoter
+    from search.report import RoundEnd, RoundPlot
     from search.scheduler import Scheduler
 
     clock = VirtualClock(start=time.time()) if request.simulate else WallClock()
@@ -151,18 +152,16 @@ def _search(request: Request, storage: dict[str, str | None], recording: log.Rec
             load_existing_study(settings)  # by hand, the stage merges a study's rounds: it never creates one
         study, deadline = open_study(settings, now=clock.now())
     if request.simulate:
-        from search.simulated_backend import SimulatedBackend
+        from search.backends import SimulatedBackend
 
-        backend = SimulatedBackend(settings, clock, seed=settings.seed)
-        promote = recorded_promotion
+        backend, promoter = SimulatedBackend(settings, clock, seed=settings.seed), RecordingPromoter()
     else:
-        from search.local_backend import LocalBackend
+        from search.backends import LocalBackend
         from search.promotion import recover_submission
 
         with _reading("submission_path"):
             recover_submission(settings.submission_path)
-        backend = LocalBackend(settings)
-        promote = None  # the Scheduler's own: search.promotion.promote into settings.submission_path
+        backend, promoter = LocalBackend(settings), SubmissionPromoter(settings)
     folder = results_folder(settings.storage)
     recording.open(folder / log.LOG_NAME)  # the input passed every check: from here on the search writes
     finished = sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
@@ -175,13 +174,13 @@ def _search(request: Request, storage: dict[str, str | None], recording: log.Rec
         deadline,
         backend,
         clock,
+        promoter=promoter,
         on_round_end=RoundEnd(settings, study, folder, prune=not request.simulate),
-        promote=promote,
         on_round_scored=None if request.simulate else RoundPlot(settings),
         merge_only=request.merge,
     )
     if not request.simulate:
-        from search.verification import keep_a_checker_ready
+        from search.promotion import keep_a_checker_ready
 
         keep_a_checker_ready()  # the first promotion's check finds its interpreter started
     try:
@@ -198,7 +197,7 @@ def _search(request: Request, storage: dict[str, str | None], recording: log.Rec
 def _write_leaderboard(study, folder: Path) -> None:
     """The last leaderboard write; its failure (a full disk, a folder gone) is a warning, so that it never hides the
     summary, the search's own error or its interrupt."""
-    from search.leaderboard import write_leaderboard
+    from search.report import write_leaderboard
 
     try:
         write_leaderboard(study, folder)
@@ -214,7 +213,7 @@ def results_folder(storage: str) -> Path:
 def _summary(
     study, settings: Settings, log_path: Path, *, simulated: bool, final_check: tuple[bool, str] | None
 ) -> str:
-    from search.leaderboard import format_leaderboard
+    from search.report import format_leaderboard
     from search.promotion import MARKER, promoted
 
     lines = [
@@ -241,7 +240,7 @@ def _summary(
 def _dashboard_command(storage: str) -> str:
     if "://" in storage:
         return "optuna-dashboard STORAGE_URL --artifact-dir artifacts"
-    from search.plots import artifact_dir
+    from search.report import artifact_dir
 
     return f"optuna-dashboard {storage} --artifact-dir {artifact_dir(storage)}"
 

@@ -2,7 +2,7 @@
 
 Every key is documented in `budget.yaml`, where it is declared. Every key is required (the file is the defaults), and
 every error names its key path, e.g. "space.learning_rate_lora.low: must be > 0 (the range is log-uniform)". Values go
-through the project's one validation layer (trainer/validation.py); values that end up in a round's TrialConfig are
+through the project's one validation layer (common/validation.py); values that end up in a round's TrialConfig are
 checked by TrialConfig itself. Nothing here writes anything.
 """
 
@@ -25,9 +25,9 @@ import yaml
 
 from search import space as space_module
 from search.folders import inside, overlapping, study_folder, unwritable
-from trainer import validation
+from common import validation
 from trainer.config import GPU_MEMORY_GB_MAX, ConfigError, TrialConfig
-from trainer.validation import InvalidValue, show, show_key
+from common.validation import InvalidValue, show, show_key
 
 # The budget files beside the package folders: an editable install (the README's) runs from the project itself.
 BUDGET = Path(__file__).resolve().parents[1] / "budget.yaml"
@@ -111,7 +111,7 @@ PRUNERS: dict[str, tuple[type, dict[str, Callable[[str, Any], Any]]]] = {
 
 @dataclass(frozen=True)
 class MergeSettings:
-    """budget.yaml's `merge` (documented there): the merge stage of search.merge_stage."""
+    """budget.yaml's `merge` (documented there): the merge stage of search.merge.stage."""
 
     enabled: bool
     top_k: int

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import optuna
 
-from trainer import validation
+from common import validation
 from trainer.config import ConfigError, TrialConfig
 from trainer.rewards import REWARDS
-from trainer.validation import InvalidValue, show, show_key
+from common.validation import InvalidValue, show, show_key
 
 if TYPE_CHECKING:
     from search.settings import Settings
@@ -51,7 +51,7 @@ WARM_START_KEYS = ("init", *SEARCHED_FIELDS)
 # The `recipe` user attribute of a trial: a warm start's name, SAMPLED, or BASE for round 0, which trains nothing and
 # scores the base model (the fallback submission and the reference every round is compared with).
 SAMPLED, BASE = "sampled", "base"
-MERGE = "merge"  # the recipe of the merge stage's candidates (search.merge_stage)
+MERGE = "merge"  # the recipe of the merge stage's candidates (search.merge.stage)
 # The answer_format weight's parameter when accuracy is 0: its choices exclude 0, so a distribution of its own.
 ANSWER_FORMAT_ALONE = "w_answer_format_alone"
 

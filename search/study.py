@@ -31,7 +31,7 @@ from search import space
 from search.folders import unwritable
 from search.log import warn
 from search.settings import HOURS_MAX, PRUNERS, SAMPLERS, Settings
-from trainer.validation import InvalidValue, is_number, one_line, show
+from common.validation import InvalidValue, is_number, one_line, show
 
 DEADLINE_ATTR = "deadline"  # unix seconds; set once, at creation, and kept by every resumed run
 # {passed, line, worker, time}: the last check of a submission in the reserve (search.promotion.final_check)

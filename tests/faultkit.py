@@ -131,7 +131,10 @@ def _values(argv: list[str], at: int) -> list[str]:
 def _search(argv: list[str]) -> int:
     sys.path.insert(0, str(ROOT))
     import run_search
-    from search import local_backend, promotion, scheduler, verification
+    from search import scheduler
+    from search.backends import local as local_backend
+    from search.promotion import submission as promotion
+    from search.promotion import verification
 
     scheduler.POLL_S = float(os.environ.get("STUB_POLL_S", "0.1"))
     original_init = local_backend.LocalBackend.__init__

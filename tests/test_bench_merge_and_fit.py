@@ -21,7 +21,7 @@ def test_merge_vs_best_budget_keeps_every_round_turns_the_stage_off_and_seeds_th
 
 def test_memory_fit_rounds_are_the_space_s_heaviest_and_its_refused_one(tmp_path):
     from bench import memory_fit
-    from search.fit import FitCheck
+    from search.backends.fit import FitCheck
     from synthetic.models import build_config
 
     check = FitCheck(lambda: build_config("2b"), lambda gpus: 48e9)

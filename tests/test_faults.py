@@ -30,11 +30,12 @@ from optuna.trial import TrialState
 
 import faultkit
 from faultkit import alive, group_members, read_jsonl, wait_for
-from search import promotion
-from search.clock import VirtualClock
+from search.promotion import submission as promotion
+from search.backends.clock import VirtualClock
+from search.promotion import RecordingPromoter
 from search.scheduler import Scheduler
 from search.settings import load_settings
-from search.simulated_backend import SimulatedBackend
+from search.backends.simulated import SimulatedBackend
 from search.study import DEADLINE_ATTR, open_storage, open_study
 from trainer.run_folder import FailureKind
 
@@ -130,7 +131,7 @@ def test_simulated_rounds_that_fail_every_way_are_recorded_and_the_search_goes_o
     backend = ScriptedBackend(settings, clock, 0, faults=faults)
     promoted = []
     scheduler = Scheduler(settings, study, deadline, backend, clock,
-                          promote=lambda outcome, trial: promoted.append(trial.number) or True)  # fmt: skip
+                          promoter=RecordingPromoter(lambda outcome, trial: promoted.append(trial.number) or True))
     with contextlib.redirect_stdout(io.StringIO()):
         scheduler.run()
     started = sorted((t for t in study.trials if "started_at" in t.user_attrs), key=lambda t: t.user_attrs["started_at"])
@@ -264,7 +265,7 @@ def test_kill_9_of_the_scheduler_then_the_same_command_again(tmp_path, tiny_spli
 PROMOTE_AND_PAUSE = r"""
 import os, shutil, sys, time
 from pathlib import Path
-from search import promotion
+from search.promotion import submission as promotion
 
 point, merged, submission, ready = sys.argv[1:5]
 

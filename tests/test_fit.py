@@ -1,4 +1,4 @@
-"""A round fits its card before it is launched (search.fit): predicted from the model's config, refused in seconds,
+"""A round fits its card before it is launched (search.backends.fit): predicted from the model's config, refused in seconds,
 the layouts of every group size checked at load, the card capped to `gpu_memory_gb` on a GPU."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from search.fit import FitCheck, card_bytes_of
-from search.leaderboard import format_leaderboard
+from search.backends.fit import FitCheck, card_bytes_of
+from search.report.leaderboard import format_leaderboard
 from search.settings import SettingsError
 from synthetic.models import build_config
 from test_scheduler import make_settings, run, scheduler_for
@@ -63,7 +63,7 @@ def test_nothing_is_checked_on_a_cpu_or_a_card_of_unknown_memory():
 
 
 def test_the_card_is_gpu_memory_gb_when_set_else_the_smallest_the_driver_shows(monkeypatch):
-    from search import fit
+    from search.backends import fit
 
     assert card_bytes_of(40.0)([0, 1]) == 40 * GB
     monkeypatch.setattr(fit, "_driver_totals", lambda: {0: 80 * 2**30, 1: 48 * 2**30})
@@ -72,7 +72,7 @@ def test_the_card_is_gpu_memory_gb_when_set_else_the_smallest_the_driver_shows(m
 
 
 def test_driver_totals_follow_cuda_visible_devices(monkeypatch, tmp_path):
-    from search import fit
+    from search.backends import fit
 
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/sh\nprintf '0, 81559\\n1, 49140\\n2, 49140\\n'\n")
@@ -104,7 +104,7 @@ def test_a_configuration_predicted_over_its_card_is_never_launched_and_says_why(
 
 
 def test_a_simulated_round_on_two_gpus_steps_faster_by_the_documented_factor(tmp_path):
-    from search.simulated_backend import MULTI_GPU_EFFICIENCY, true_duration
+    from search.backends.simulated import MULTI_GPU_EFFICIENCY, true_duration
 
     def step_s(settings) -> float:
         short, long = (true_duration(config(lora_rank=64, num_generations=8, steps=n), settings) for n in (1, 101))
@@ -159,7 +159,7 @@ def test_gpu_memory_gb_is_a_positive_number_or_null(tmp_path):
 
 def test_the_search_passes_the_cap_to_the_rounds_and_their_evaluation(tmp_path):
     from search import space
-    from search.local_backend import LocalBackend
+    from search.backends.local import LocalBackend
 
     settings = make_settings(tmp_path, gpu_memory_gb=48.0)
     study = optuna.create_study()

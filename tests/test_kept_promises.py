@@ -13,12 +13,14 @@ import pytest
 import yaml
 from optuna.trial import TrialState, create_trial
 
-from search import promotion, selection
-from search.backend import RoundOutcome
-from search.hooks import RoundEnd
+from search import selection
+from search.promotion import SubmissionPromoter
+from search.promotion import submission as promotion
+from search.backends.base import RoundOutcome
+from search.report.hooks import RoundEnd
 from search.scheduler import POLL_S
 from search.settings import BUDGET, SettingsError, load_settings
-from trainer import validation
+from common import validation
 from trainer.run_folder import MERGED_DIR, RoundState
 
 from test_scheduler import make_settings, ran, run, scheduler_for
@@ -70,7 +72,7 @@ def test_the_schedulers_promotion_holds_a_round_to_the_format_floor(tmp_path, mo
     trial.set_user_attr("recipe", recipe)
     merged = _model(Path(scheduler.settings.rounds_dir) / "round-0009" / MERGED_DIR, "new")
     outcome = RoundOutcome(RoundState.COMPLETED, None, 60.0, 50.0, format_rate, 20.0, 10, merged_dir=str(merged))
-    assert scheduler._promote_to_submission(outcome, trial) is promoted
+    assert SubmissionPromoter(scheduler.settings).promote(outcome, trial) is promoted
     assert promotion.promoted(tmp_path / "submission")["trial"] == (trial.number if promoted else 0)
 
 

@@ -11,7 +11,7 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
 from search import selection
-from search.leaderboard import COLUMNS, format_leaderboard, leaderboard_rows, why_it_won, write_leaderboard
+from search.report.leaderboard import COLUMNS, format_leaderboard, leaderboard_rows, why_it_won, write_leaderboard
 from search.study import FINAL_CHECK_ATTR
 
 ROWS = 200
@@ -211,7 +211,7 @@ def test_an_odd_reward_mapping_or_parent_does_not_hide_the_table(study, tmp_path
 
 
 def test_a_trial_whose_row_cannot_be_built_still_has_a_row(study, tmp_path, monkeypatch):
-    from search import leaderboard
+    from search.report import leaderboard
 
     real_row = leaderboard._row
     odd = _with_odd_trial(study)
@@ -257,7 +257,7 @@ def test_the_leaderboard_command_shows_a_study_with_an_odd_trial(tmp_path, monke
 
 def test_a_failing_last_leaderboard_write_does_not_lose_the_summary(tmp_path, monkeypatch, capsys):
     import run_search
-    from search import leaderboard
+    from search.report import leaderboard
 
     def full_disk(study, folder):
         raise OSError(28, "No space left on device")

@@ -16,8 +16,9 @@ import optuna
 import pytest
 
 from search import scheduler as scheduler_module
-from search.clock import WallClock
-from search.local_backend import LocalBackend
+from search.backends.clock import WallClock
+from search.backends.local import LocalBackend
+from search.promotion import RecordingPromoter
 from search.scheduler import Scheduler
 from search.settings import load_settings
 from search.study import open_study
@@ -307,7 +308,7 @@ def test_the_scheduler_kills_a_hung_round(backend, tmp_path, monkeypatch):
     clock = WallClock()
     study, deadline = open_study(settings, now=clock.now())
     started = time.monotonic()
-    Scheduler(settings, study, deadline, backend, clock, promote=lambda outcome, trial: True).run()
+    Scheduler(settings, study, deadline, backend, clock, promoter=RecordingPromoter()).run()
     assert time.monotonic() - started < 15
     base, trial = [t for t in study.trials if t.state != optuna.trial.TrialState.WAITING]
     assert base.user_attrs["recipe"] == "base" and base.state == optuna.trial.TrialState.COMPLETE
@@ -340,7 +341,7 @@ def test_a_failure_is_told_by_its_kind_not_its_reason(backend, tmp_path, monkeyp
     backend.settings = settings
     clock = WallClock()
     study, deadline = open_study(settings, now=clock.now())
-    Scheduler(settings, study, deadline, backend, clock, promote=lambda outcome, trial: True).run()
+    Scheduler(settings, study, deadline, backend, clock, promoter=RecordingPromoter()).run()
     base, trial = [t for t in study.trials if t.state != optuna.trial.TrialState.WAITING]
     assert base.user_attrs["recipe"] == "base" and base.state == optuna.trial.TrialState.COMPLETE
     assert trial.state == told and trial.user_attrs["state"] == "failed"
@@ -396,7 +397,7 @@ def test_without_val_rows_the_evaluation_scores_ood_alone(tmp_path):
 
 
 def test_rounds_side_by_side_share_out_the_cores(tmp_path, monkeypatch):
-    from search.local_backend import threads_per_round
+    from search.backends.local import threads_per_round
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
@@ -421,7 +422,7 @@ def test_wait_returns_when_a_round_s_process_ends_and_sleeps_its_time_otherwise(
 
 
 def test_wait_for_any_end_without_children_or_pidfds_sleeps(monkeypatch):
-    from search import local_backend
+    from search.backends import local as local_backend
 
     began = time.monotonic()
     local_backend.wait_for_any_end([], 0.1)
@@ -434,7 +435,7 @@ def test_wait_for_any_end_without_children_or_pidfds_sleeps(monkeypatch):
 
 def test_the_orphan_sweep_kills_running_groups_and_passes_over_zombies(tmp_path):
     """A process the container's first process never reaps stays a zombie: nothing to kill, and not reported."""
-    from search.local_backend import _record_process, reap_processes
+    from search.backends.local import _record_process, reap_processes
 
     sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     ended = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)

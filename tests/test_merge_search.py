@@ -8,11 +8,15 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from search import merge_stage
-from search.merge_stage import Decision
-from search.promotion import prune_run_dirs
+from search.merge import stage as merge_stage
+from search.merge.stage import Decision
+from search.promotion.submission import prune_run_dirs
 from search.settings import MergeSettings
 from test_scheduler import run, scheduler_for
+
+
+def stage_seconds(scheduler) -> float:
+    return scheduler.stage.seconds(scheduler.duration, len(scheduler.settings.slots))
 
 MERGE = MergeSettings(enabled=True, top_k=3, etas=(0.5, 1.25), held_out_share=0.5)
 
@@ -101,28 +105,28 @@ def test_a_later_round_never_starts_from_a_merge_that_was_kept_out(tmp_path, mon
     run(scheduler)
     best_merge = max(merges(scheduler.study), key=lambda t: t.value)
     scheduler.backend.has_weights = lambda merged_dir: True
-    assert scheduler._parent("best").trial != best_merge.number
+    assert scheduler.parent_of("best").trial != best_merge.number
 
 
 def test_the_stage_s_time_is_taken_from_the_rounds_and_none_without_a_stage(tmp_path):
     with_stage = scheduler_for(tmp_path / "a", merge=MERGE)
     without = scheduler_for(tmp_path / "b", merge=dataclasses.replace(MERGE, enabled=False))
     assert without.end_of_rounds == without.end_of_stage
-    assert with_stage.end_of_rounds == pytest.approx(with_stage.end_of_stage - with_stage.stage_seconds())
+    assert with_stage.end_of_rounds == pytest.approx(with_stage.end_of_stage - stage_seconds(with_stage))
     # Two slots: a greedy chain of two (top_k 3), then two etas side by side, each a build of 4 models and a scoring.
-    assert with_stage.stage_seconds() == pytest.approx(3 * with_stage.duration.merge_seconds(4))
+    assert stage_seconds(with_stage) == pytest.approx(3 * with_stage.duration.merge_seconds(4))
 
 
 def test_an_interrupted_stage_leaves_no_running_trial(tmp_path, monkeypatch):
     scheduler = scheduler_for(tmp_path, merge=MERGE)
-    decide = scheduler._decide_stage
+    decide = scheduler.stage.decide
 
     def interrupt():
-        if scheduler._pending:
+        if scheduler.stage.pending:
             raise KeyboardInterrupt
-        decide()
+        return decide()
 
-    monkeypatch.setattr(scheduler, "_decide_stage", interrupt)
+    monkeypatch.setattr(scheduler.stage, "decide", interrupt)
     with pytest.raises(KeyboardInterrupt):
         run(scheduler)
     assert merges(scheduler.study)
@@ -171,6 +175,6 @@ def test_a_later_round_may_start_from_a_merge_that_was_handed_in(tmp_path, monke
     best_round = max(t.value for t in scheduler.study.trials if t.user_attrs.get("recipe") not in ("base", "merge")
                      and t.value is not None)  # fmt: skip
     assert chosen.value > best_round and chosen.user_attrs["promoted"] is True  # this seed's stage beats its rounds
-    parent = scheduler._parent("best")
+    parent = scheduler.parent_of("best")
     assert parent.trial == chosen.number and parent.model_path == chosen.user_attrs["merged_dir"]
     assert parent.total_steps == chosen.user_attrs["total_steps"]

@@ -1,4 +1,4 @@
-"""search.merge_stage: the row split, the order of the candidates, and the guard on what is handed in."""
+"""search.merge.stage: the row split, the order of the candidates, and the guard on what is handed in."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from search.merge_stage import ETA, GREEDY, UNIFORM, Candidate, Ingredient, MergeStage, rank
+from search.merge.stage import ETA, GREEDY, UNIFORM, Candidate, Ingredient, MergeStage, rank
 
 N = 400
 

@@ -87,8 +87,8 @@ def test_disk_counts_every_model_the_search_keeps(tmp_path, tiny_model_dir, demo
 def test_the_heaviest_candidate_of_the_space_is_chosen(tmp_path, tiny_model_dir, demo_box):
     """On the CPU nothing is checked against a card: the heaviest footprint, full fine-tuning of the largest group
     with the KL reference."""
-    from search.fit import FitCheck
-    from search.local_backend import model_config
+    from search.backends.fit import FitCheck
+    from search.backends.local import model_config
 
     settings = load_settings(budget(tmp_path, tiny_model_dir, demo_box))
     no_card = FitCheck(lambda: model_config(settings.model_path), lambda gpus: None)

@@ -14,7 +14,7 @@ def test_exit_now_keeps_the_output_and_the_code_and_skips_the_teardown(tmp_path)
     log = tmp_path / "run.log"
     script = "\n".join([
         "import atexit, logging, sys",
-        "from evaluator.process_exit import exit_now",
+        "from common.process_exit import exit_now",
         f"logging.basicConfig(filename={str(log)!r}, level=logging.INFO)",
         "atexit.register(print, 'teardown')",
         "logging.info('logged')",

@@ -15,8 +15,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState, create_trial
 
-from search import promotion
-from search.promotion import (
+from search.promotion import submission as promotion
+from search.promotion.submission import (
     MARKER,
     PromotionError,
     check_submission,

@@ -20,12 +20,16 @@ import pytest
 from optuna.trial import TrialState
 
 from search import scheduler as scheduler_module
-from search.clock import VirtualClock
+from search.backends.clock import VirtualClock
 from search.duration import DurationModel
-from search.scheduler import GRACE_SHARE, POLL_S, SAFETY_SHARE, Scheduler
+from search.allotment import GRACE_SHARE, SAFETY_SHARE
+from search.promotion import RecordingPromoter
+from search.lineage import Parent
+from search.scheduler import POLL_S, Scheduler
+from search import workers as workers_module
 from search.settings import MergeSettings, load_settings
-from search import simulated_backend as simulated
-from search.simulated_backend import SimulatedBackend
+from search.backends import simulated
+from search.backends.simulated import SimulatedBackend
 from search.study import open_study
 from trainer.config import ConfigError, TrialConfig
 
@@ -55,7 +59,7 @@ def scheduler_for(tmp_path: Path, *, backend_options=None, promote=None, clock_o
     study, deadline = open_study(settings, now=clock.now())
     clock.sleep(clock_offset)
     backend = SimulatedBackend(settings, clock, 0, **(backend_options or {}))
-    return Scheduler(settings, study, deadline, backend, clock, promote=promote or (lambda outcome, trial: True))
+    return Scheduler(settings, study, deadline, backend, clock, promoter=RecordingPromoter(promote))
 
 
 def run(scheduler: Scheduler) -> str:
@@ -185,7 +189,7 @@ def test_an_invalid_sampled_configuration_fails_its_trial_and_the_search_goes_on
 
 
 def test_failures_the_configuration_causes_are_bad_points_for_the_sampler(tmp_path, monkeypatch):
-    from search import simulated_backend
+    from search.backends import simulated as simulated_backend
 
     monkeypatch.setattr(simulated_backend, "NAN_LR_FACTOR", 0.0)  # any LoRA rate may diverge
     scheduler = scheduler_for(tmp_path, backend_options={"failure_rate": 0.1, "hang_rate": 0.0})
@@ -235,7 +239,7 @@ def test_only_trials_of_dead_workers_are_failed_as_orphans(tmp_path, monkeypatch
     its trial alive whatever time it holds: another box's clock, or another --simulate run's virtual one, is never
     compared with ours."""
     elapsed = [0.0]
-    monkeypatch.setattr(scheduler_module, "_liveness_clock", lambda: elapsed[0])
+    monkeypatch.setattr(workers_module, "_liveness_clock", lambda: elapsed[0])
     scheduler = scheduler_for(tmp_path, clock_offset=3 * 3600)  # no time left: it only sweeps
     study, now = scheduler.study, scheduler.clock.now()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -257,14 +261,14 @@ def test_only_trials_of_dead_workers_are_failed_as_orphans(tmp_path, monkeypatch
         return {name: trials[number].state for name, number in numbers.items()}
 
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        scheduler._sweep()
+        scheduler.workers.sweep({r.trial.number for r in scheduler._running.values()})
     assert states() == {"live elsewhere": TrialState.RUNNING, "stale elsewhere": TrialState.RUNNING,
                         "dead here": TrialState.FAIL, "stopped in this process": TrialState.FAIL}  # fmt: skip
     live = study.trials[numbers["live elsewhere"]]
     study._storage.set_trial_user_attr(live._trial_id, "heartbeat", now + 10 * 3600 + 60)  # it beats, by its clock
-    elapsed[0] = scheduler_module.ORPHAN_AFTER_S
+    elapsed[0] = workers_module.ORPHAN_AFTER_S
     with contextlib.redirect_stdout(out):
-        scheduler._sweep()
+        scheduler.workers.sweep({r.trial.number for r in scheduler._running.values()})
     assert states()["live elsewhere"] == TrialState.RUNNING and states()["stale elsewhere"] == TrialState.FAIL
     for name in ("stale elsewhere", "dead here", "stopped in this process"):
         assert study.trials[numbers[name]].user_attrs["reason"] == "orphaned: the scheduler stopped during this round"
@@ -298,7 +302,7 @@ def test_a_round_another_worker_finished_is_ended_and_the_search_goes_on(tmp_pat
 
 
 def test_the_heartbeat_goes_on_while_a_promotion_blocks_the_loop(tmp_path, monkeypatch):
-    monkeypatch.setattr(scheduler_module, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(workers_module, "HEARTBEAT_S", 0.05)
     beats: list[tuple[object, object]] = []
 
     def slow_promotion(outcome, trial):
@@ -341,7 +345,7 @@ def _minutes_left(line: str) -> int:
 def test_an_orphans_processes_are_reaped_only_inside_the_studys_rounds_folder(tmp_path):
     """A dead worker's trial records a run_dir outside runs_dir/<study>: its processes.jsonl (which anyone who can
     write the storage can point anywhere) is not read, the process it names lives on, and the trial is still failed."""
-    from search.local_backend import LocalBackend
+    from search.backends.local import LocalBackend
 
     scheduler = scheduler_for(tmp_path, clock_offset=3 * 3600)
     scheduler.backend = LocalBackend(scheduler.settings)
@@ -357,7 +361,7 @@ def test_an_orphans_processes_are_reaped_only_inside_the_studys_rounds_folder(tm
         trial.set_user_attr("worker", f"{socket.gethostname()}:{int(dead.stdout)}:eeeeee")
         trial.set_user_attr("run_dir", str(Path(scheduler.settings.rounds_dir) / ".." / ".." / "outside"))
         with contextlib.redirect_stdout(io.StringIO()) as out:
-            scheduler._sweep()
+            scheduler.workers.sweep({r.trial.number for r in scheduler._running.values()})
         assert victim.poll() is None  # alive
         assert scheduler.study.trials[trial.number].state == TrialState.FAIL
         assert "could not end its processes: OSError" in out.getvalue() and "is not inside" in out.getvalue()
@@ -472,6 +476,6 @@ def test_a_child_starts_from_the_best_promotable_round_with_weights(tmp_path):
     running.set_user_attr("merged_dir", "/runs/running/merged")
     scheduler.backend.remember("/runs/good/merged", 70.0, 100, True)
     scheduler.backend.remember("/runs/unformatted/merged", 80.0, 100, False)  # "deleted" is not remembered
-    parent = scheduler._parent("best")
+    parent = scheduler.parent_of("best")
     assert (parent.trial, parent.model_path, parent.total_steps) == (runs["good"], "/runs/good/merged", 100)
-    assert scheduler._parent("base") == scheduler_module._Parent(0, scheduler.settings.model_path, 0)
+    assert scheduler.parent_of("base") == Parent(0, scheduler.settings.model_path, 0)

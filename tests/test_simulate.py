@@ -16,12 +16,14 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from search.clock import VirtualClock
+from search.backends.clock import VirtualClock
 from search.duration import DurationModel
+from search.promotion import RecordingPromoter
+from search import scheduler as scheduler_module
 from search.scheduler import POLL_S, Scheduler
 from search.settings import MergeSettings, load_settings
-from search import simulated_backend as simulated
-from search.simulated_backend import SimulatedBackend, true_duration
+from search.backends import simulated
+from search.backends.simulated import SimulatedBackend, true_duration
 from search.study import open_study
 from trainer.config import TrialConfig
 
@@ -77,7 +79,7 @@ def run_search(tmp_path: Path, *, seed: int = 0, clock: VirtualClock | None = No
     clock = clock or VirtualClock(START)
     study, deadline = open_study(settings, now=clock.now())
     recorder = Recorder()
-    scheduler = Scheduler(settings, study, deadline, SimulatedBackend(settings, clock, seed), clock, promote=recorder)
+    scheduler = Scheduler(settings, study, deadline, SimulatedBackend(settings, clock, seed), clock, promoter=RecordingPromoter(recorder))
     out = io.StringIO()
     started = time.monotonic()
     with contextlib.redirect_stdout(out):
@@ -246,9 +248,10 @@ def test_a_killed_search_resumes_on_the_same_storage(tmp_path, monkeypatch):
             raise Crash
 
     backend = SimulatedBackend(settings, clock, 0)
-    first = Scheduler(settings, study, deadline, backend, clock, on_round_end=crash_after_four, promote=Recorder())
+    first = Scheduler(settings, study, deadline, backend, clock, on_round_end=crash_after_four,
+                      promoter=RecordingPromoter(Recorder()))
     # A hard kill (SIGKILL, power loss) runs no cleanup: the running round stays RUNNING in the storage.
-    monkeypatch.setattr(first, "_abandon_running", lambda: None)
+    monkeypatch.setattr(scheduler_module, "abandon", lambda *args: None)
     with pytest.raises(Crash), contextlib.redirect_stdout(io.StringIO()):
         first.run()
     before = {t.number: (t.state, t.value) for t in study.trials if t.state.is_finished()}
@@ -261,7 +264,8 @@ def test_a_killed_search_resumes_on_the_same_storage(tmp_path, monkeypatch):
     study2, deadline2 = open_study(settings, now=restart.now())
     assert deadline2 == deadline
     recorder = Recorder()
-    second = Scheduler(settings, study2, deadline2, SimulatedBackend(settings, restart, 1), restart, promote=recorder)
+    second = Scheduler(settings, study2, deadline2, SimulatedBackend(settings, restart, 1), restart,
+                       promoter=RecordingPromoter(recorder))
     with contextlib.redirect_stdout(io.StringIO()) as out:
         second.run()
 

@@ -1,4 +1,4 @@
-"""search.soup: the averaged tensors, eta toward and past the base, the layout kept, bad ingredients refused."""
+"""search.merge.soup: the averaged tensors, eta toward and past the base, the layout kept, bad ingredients refused."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from search import soup
+from search.merge import soup
 from trainer.run_folder import MERGED_DIR, RoundState, read_status
 
 NAMES = ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight")

@@ -18,7 +18,7 @@ import optuna
 import pytest
 
 from search import study as study_module
-from search.plots import plot_round, upload_plot
+from search.report.plots import plot_round, upload_plot
 from search.settings import load_settings
 from search.study import DEADLINE_ATTR, StudyError, load_existing_study, make_sampler, open_study
 

@@ -16,9 +16,9 @@ import torch
 
 from evaluator.evaluation import evaluate
 from faultkit import alive
-from search import verification
-from search.promotion import MARKER, check_submission, final_check, promote, promoted
-from search.verification import CHECK_PARTS, VerificationError, allowed_disagreements, expected_answers, verify
+from search.promotion import verification
+from search.promotion.submission import MARKER, check_submission, final_check, promote, promoted
+from search.promotion.verification import CHECK_PARTS, VerificationError, allowed_disagreements, expected_answers, verify
 
 
 # The random tiny model never stops on its own: its answers are recorded and checked with a short cap (the search

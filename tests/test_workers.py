@@ -29,7 +29,7 @@ from optuna.trial import TrialState
 
 import faultkit
 from faultkit import read_jsonl
-from search import promotion
+from search.promotion import submission as promotion
 from search.study import DEADLINE_ATTR, open_storage
 
 WORKERS = 2
@@ -149,10 +149,10 @@ def test_a_box_that_joins_late_fills_its_own_submission(tmp_path):
 
     from optuna.trial import create_trial
 
-    from search.clock import VirtualClock
+    from search.backends.clock import VirtualClock
     from search.scheduler import Scheduler
     from search.settings import load_settings
-    from search.simulated_backend import SimulatedBackend
+    from search.backends.simulated import SimulatedBackend
     from search.study import open_study
 
     settings = dataclasses.replace(load_settings(faultkit.ROOT / "budget.yaml", storage=str(tmp_path / "study.db")),
@@ -161,13 +161,18 @@ def test_a_box_that_joins_late_fills_its_own_submission(tmp_path):
     study, deadline = open_study(settings, now=clock.now())
     study.add_trial(create_trial(value=80.0, user_attrs={"promoted": True, "worker": "otherbox:1:aaaaaa"}))
     fresh = Scheduler(settings, study, deadline, SimulatedBackend(settings, clock), clock)
-    fresh._learn_from_history()
-    assert fresh._best is None  # this box's submission is empty: its first scored round is promoted
+    assert held(fresh) is None  # this box's submission is empty: its first scored round is promoted
     model = tmp_path / "round"
     model.mkdir()
     (model / "config.json").write_text("{}")
     assert promotion.promote(model, settings.submission_path, min_format_rate=0, format_rate=99.0, accuracy=40.0,
                              trial=7, check=lambda path: None)
     resumed = Scheduler(settings, study, deadline, SimulatedBackend(settings, clock), clock)
-    resumed._learn_from_history()
-    assert resumed._best == (40.0, 7)
+    assert held(resumed) == (40.0, 7)
+
+
+def held(scheduler) -> tuple[float, int] | None:
+    """What a starting scheduler takes the submission to hold: the study's history, then its promoter's word."""
+    from search import trials
+
+    return scheduler.promoter.holds(trials.learn_from(scheduler.study, scheduler.duration)[1])

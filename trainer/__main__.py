@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from evaluator.process_exit import exit_now
+from common.process_exit import exit_now
 from trainer.config import ConfigError, TrialConfig
 from trainer.layout import batch_layout, launched_processes
 

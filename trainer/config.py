@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer import validation
-from trainer.validation import InvalidValue, show
+from common import validation
+from common.validation import InvalidValue, show
 
 PHRASINGS = ("eval", "inherited", "mix")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")

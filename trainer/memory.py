@@ -17,7 +17,7 @@ context, the allocator's cached blocks and the estimate's error.
 What a round may change to fit (`plan`), in this order: checkpoint more decoder layers, then split the step's
 completions into more micro-batches (TRL's gradient accumulation: the same groups and the same optimizer step, each
 forward and backward on a share of the tokens). A round whose every plan is over the card does not fit: the search
-never launches it (search/fit.py predicts the same plan before the launch).
+never launches it (search/backends/fit.py predicts the same plan before the launch).
 """
 
 from __future__ import annotations

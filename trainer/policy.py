@@ -1,7 +1,7 @@
 """How a round holds its policy: the dtype it loads in, what stays frozen, which modules LoRA adapts.
 
 One place for these choices, because two readers need them: the round loading the real model (trainer.round), and
-the search predicting a round's memory before it launches (search/fit.py, on a meta-device model of the same
+the search predicting a round's memory before it launches (search/backends/fit.py, on a meta-device model of the same
 architecture: no weights read).
 """
 

@@ -27,7 +27,7 @@ EVAL_LOG = "eval.log"  # every evaluation's stdout and stderr
 # The process groups the search started for the round, one JSON line each (`pgid`, `start`, `host`): what a later
 # search kills when the one that started them died.
 PROCESSES_FILE = "processes.jsonl"
-# The parts status.json times, in seconds: a trainer's setup, train and save; a merge's build (search.soup).
+# The parts status.json times, in seconds: a trainer's setup, train and save; a merge's build (search.merge.soup).
 TIMED_PARTS = ("setup", "train", "save", "build")
 _RANK_FAILURE = "failure.rank{}.json"  # a failing process of a multi-process round: `RankFailure`
 

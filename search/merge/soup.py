@@ -11,7 +11,7 @@ memory-mapped files and written shard by shard in the first ingredient's layout,
 memory stays near one shard, not k models. The other files (config, processor, generation config) are the first
 ingredient's.
 
-`python -m search.soup --spec RUN_DIR/merge.json` builds the spec's model into RUN_DIR/merged and writes the round
+`python -m search.merge --spec RUN_DIR/merge.json` builds the spec's model into RUN_DIR/merged and writes the round
 folder's status.json as a trainer would (state, 0 steps, timings {"build": seconds}), so that a backend runs a merge
 like a round: build, then the same evaluation.
 """
@@ -135,7 +135,7 @@ def build(spec: MergeSpec, output: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     from trainer.run_folder import MERGED_DIR, RoundState, Status, write_status
 
-    parser = argparse.ArgumentParser(prog="python -m search.soup", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m search.merge", description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec", type=Path, required=True, help=f"RUN_DIR/{SPEC_FILE}")
     args = parser.parse_args(argv)
     run_dir = args.spec.parent
@@ -152,6 +152,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"merged {len(spec.ingredients)} model(s) at eta {spec.eta:g} in {seconds:.1f} s")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

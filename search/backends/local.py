@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from search.backend import RoundOutcome
-from search.fit import FitCheck, card_bytes_of
+from search.backends.base import RoundOutcome
+from search.backends.fit import FitCheck, card_bytes_of
 from search.folders import inside
-from search.soup import SPEC_FILE, MergeSpec
+from search.merge import SPEC_FILE, MergeSpec
 from trainer.config import TrialConfig
 from trainer.run_folder import (
     EVAL_LOG,
@@ -46,7 +46,7 @@ from trainer.run_folder import (
     read_status,
 )
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 _PR_SET_PDEATHSIG = 1
 try:
     _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the child only calls into it
@@ -77,7 +77,7 @@ class LocalBackend:
     def merge(self, spec: MergeSpec, run_dir: str, gpus: list[int]) -> "LocalRound":
         folder = _fresh_run_dir(run_dir)
         spec.to_json(folder / SPEC_FILE)
-        build = [sys.executable, "-m", "search.soup", "--spec", str(folder / SPEC_FILE)]
+        build = [sys.executable, "-m", "search.merge", "--spec", str(folder / SPEC_FILE)]
         return self._started(LocalRound(self, folder, gpus, build_command=build))
 
     def has_weights(self, merged_dir: str) -> bool:
@@ -148,7 +148,7 @@ def model_config(model_path: str):
 class LocalRound:
     """One round's processes. `done()` advances it: training -> evaluation -> done. Given `model_dir`, it only
     scores that model: evaluation -> done. Given `build_command`, that command writes the model and the status in
-    the trainer's place (a merge, search.soup)."""
+    the trainer's place (a merge, search.merge.soup)."""
 
     def __init__(
         self,

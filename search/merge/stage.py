@@ -5,7 +5,7 @@ toward its base can help under distribution shift (WiSE-FT); both are choices ma
 one who makes them. The stage therefore splits the ood_val rows once, by a seeded permutation: the *selection* rows
 rank the ingredients and choose every merge, the *held-back* rows only judge the final choice.
 
-Candidates, each a trial scored by the evaluator like a round (search.soup builds it):
+Candidates, each a trial scored by the evaluator like a round (search.merge.soup builds it):
   greedy   the ingredients in order of selection accuracy, each added to the soup only if the soup does not get
            worse on the selection rows (one candidate at a time: each depends on the last);
   uniform  the soup of all top-k ingredients (k >= 3; for two it is the greedy soup's first step);

@@ -10,19 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from search.soup import MergeSpec
+from search.merge import MergeSpec
 from trainer.config import TrialConfig
 from trainer.run_folder import FailureKind, Phase, RoundState
 
 if TYPE_CHECKING:  # the fit check imports torch; only its type is named here
-    from search.fit import Fit
+    from search.backends.fit import Fit
 
 # Keys of `RoundOutcome.timings`, all measured wall-clock seconds. `DurationModel.observe` fits on these.
 #   setup: launch of the trainer process until its first step (imports and model loading included),
 #   train: the trainer's own training time (in-round evaluations included), save: saving and merging,
 #   eval:  the evaluation (OOD, then the val health check, from one load of the model), from the moment its
 #          process is told the model is saved (it starts beside the trainer) to its end,
-#   build: a merge candidate's weights averaged and written (search.soup); a merge has no setup, train or save.
+#   build: a merge candidate's weights averaged and written (search.merge.soup); a merge has no setup, train or save.
 # A part is absent when it did not run or failed. A part cut short by a kill is reported as `<part>_at_least`: a
 # lower bound that still corrects a model that under-predicts (otherwise every late round would be killed again).
 TIMING_KEYS = ("setup", "train", "save", "eval", "build")
@@ -40,7 +40,7 @@ class RoundOutcome:
     timings: dict[str, float] = field(default_factory=dict)
     merged_dir: str | None = None  # the saved, merged model (None when nothing usable was saved)
     # The OOD report's `per_row` (split index, gold and extracted answer of every scored row): paired comparisons
-    # between rounds, and the answers a promoted copy of the model must give again (search.verification).
+    # between rounds, and the answers a promoted copy of the model must give again (search.promotion.verification).
     ood_rows: dict | None = None
     failure: FailureKind | None = None  # why a FAILED round failed
 
@@ -75,12 +75,12 @@ class Backend(Protocol):
         reported in `run_dir`; its outcome is COMPLETED with 0 steps and `merged_dir` = `model_dir`."""
 
     def merge(self, spec: MergeSpec, run_dir: str, gpus: list[int]) -> RoundHandle:
-        """Start a merge candidate: `spec`'s model built into `run_dir`/merged (search.soup), then the evaluations
+        """Start a merge candidate: `spec`'s model built into `run_dir`/merged (search.merge.soup), then the evaluations
         of every round; its outcome is COMPLETED with 0 steps and timings `build` and `eval`."""
 
     def fit(self, config: TrialConfig, gpus: list[int]) -> Fit | None:
-        """The memory plan of a round of `config` on the card of `gpus` (search.fit), before it is started; None when
-        there is nothing to check (the CPU, a card of unknown memory)."""
+        """The memory plan of a round of `config` on the card of `gpus` (search.backends.fit), before it is started;
+        None when there is nothing to check (the CPU, a card of unknown memory)."""
 
     def has_weights(self, merged_dir: str) -> bool:
         """Whether a round's merged model is still there to start another round from."""

@@ -2,13 +2,13 @@
 
 The submission must be loadable at every instant the box may be stopped. So a new model is copied next to the
 submission (same filesystem; a round's own files are hard-linked instead where they can be, `link_tree`), flushed
-to disk, checked as the verifier will use it (search.verification: loaded with the verifier's calls, and answering
-the recorded ood_val rows as it did when scored), and only then swapped in with one atomic directory exchange; the
-previous submission stays whole until then, and is kept aside afterwards (`.<name>.previous`), so that the final
-check in the reserve (`final_check`) can restore it when the submission no longer passes. `PROMOTED.json` inside the
-submission records which trial it holds, its accuracy and the answers it must give: it moves with the model in the
-same exchange, and only a strictly better model replaces it. A lock on the submission's parent serializes workers
-that share one study.
+to disk, checked as the verifier will use it (search.promotion.verification: loaded with the verifier's calls, and
+answering the recorded ood_val rows as it did when scored), and only then swapped in with one atomic directory
+exchange; the previous submission stays whole until then, and is kept aside afterwards (`.<name>.previous`), so that
+the final check in the reserve (`final_check`) can restore it when the submission no longer passes. `PROMOTED.json`
+inside the submission records which trial it holds, its accuracy and the answers it must give: it moves with the
+model in the same exchange, and only a strictly better model replaces it. A lock on the submission's parent
+serializes workers that share one study.
 
 The search deletes only what it wrote. A submission folder holding files no promotion wrote (no PROMOTED.json: a
 user's model, notes) has them kept, linked or copied under the study's folder (`kept-<name>-<time>`), before the
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import optuna
 from optuna.trial import TrialState
 
-from search import verification
+from search.promotion import verification
 from search.folders import inside, is_mount_point
 from search.log import warn
 from search.space import MERGE
@@ -180,8 +180,9 @@ def check_submission(
     batch_size: int | None = None,
     **options: Any,
 ) -> dict:
-    """Check `path` as the verifier will use it (search.verification.verify: it loads, and with `expected` it gives the
-    recorded answers on those rows of the split `data`); returns verify's outcome, raises PromotionError on failure."""
+    """Check `path` as the verifier will use it (search.promotion.verification.verify: it loads, and with `expected` it
+    gives the recorded answers on those rows of the split `data`); returns verify's outcome, raises PromotionError on
+    failure."""
     try:
         return verification.verify(path, data, expected, gpus=gpus, batch_size=batch_size, **options)
     except verification.VerificationError as error:

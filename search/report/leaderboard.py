@@ -29,7 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 from search import selection
 from search.space import BASE, MERGE, SAMPLED
 from search.study import FINAL_CHECK_ATTR
-from trainer.validation import is_number, one_line, show
+from common.validation import is_number, one_line, show
 
 BASELINE = "baseline"  # the warm start every other round is compared against
 _MARKED = (BASE, BASELINE)  # recipes the tables mark: the zero point and the inherited recipe

@@ -22,10 +22,10 @@ import math
 import random
 from pathlib import Path
 
-from search.backend import RoundOutcome
-from search.clock import Clock
-from search.fit import FitCheck
-from search.soup import MergeSpec
+from search.backends.base import RoundOutcome
+from search.backends.clock import Clock
+from search.backends.fit import FitCheck
+from search.merge import MergeSpec
 from trainer.config import TrialConfig
 from trainer.run_folder import MERGED_DIR, FailureKind, Phase, RoundState
 
@@ -52,7 +52,7 @@ RANDOM_FAILURE = 0.03
 RANDOM_HANG = 0.02
 ROW_BLUR = 0.05  # per model and row: how far a row's difficulty moves for one model (paired rounds differ near it)
 REGRESSION_SHARE = 0.5  # of the way down to a worse configuration's level that a child round goes
-# Merges (search.soup), from the papers' direction and the demo's pilots (issue 32), not from the real model: a soup
+# Merges (search.merge.soup), from the papers' direction and the demo's pilots (issue 32), not the real model: a soup
 # of near-equal rounds gains up to SOUP_GAIN points, a gain that fades as its ingredients spread apart (one far worse
 # ingredient drags the mean down besides); moving a model from the base by eta keeps 1 - (1 - eta)^2 of its change,
 # plus up to WISE_GAIN points toward the base (WiSE-FT's robustness); every merge adds MERGE_NOISE (sd, points).
@@ -62,7 +62,7 @@ WISE_GAIN = 1.0
 MERGE_NOISE = 0.7
 TRUE_BUILD_MODEL_S = 20.0  # per model a merge reads, on the simulated box
 # The simulated box's cards (the user's: 48 GB each) unless the budget sets gpu_memory_gb; rounds are fitted to them
-# (search.fit) with the 2B model's architecture, as on the box.
+# (search.backends.fit) with the 2B model's architecture, as on the box.
 CARD_GB = 48.0
 # A round on n GPUs steps 1 + MULTI_GPU_EFFICIENCY x (n - 1) times as fast (data-parallel over NCCL: each GPU
 # generates and trains its share of the step's completions, the gradients are all-reduced). Assumed, not measured.

@@ -11,11 +11,6 @@ from search.log import warn
 from search.settings import Settings
 
 
-def recorded_promotion(outcome, trial) -> bool:
-    """A simulated round's 'promotion': the scheduler records it on the trial; nothing is copied."""
-    return True
-
-
 class RoundPlot:
     """Before a round is told: its plot (rewards, completion length, intermediate accuracy) attached to its trial,
     where the dashboard shows it (Optuna takes no artifact on a finished trial)."""
@@ -24,7 +19,7 @@ class RoundPlot:
         self.settings = settings
 
     def __call__(self, trial, outcome) -> None:
-        from search.plots import artifact_dir, plot_round, upload_plot
+        from search.report.plots import artifact_dir, plot_round, upload_plot
 
         try:
             run_dir = Path(trial.user_attrs["run_dir"])
@@ -43,7 +38,7 @@ class RoundEnd:
         self.settings, self.study, self.folder, self.prune = settings, study, folder, prune
 
     def __call__(self, trial, outcome) -> None:
-        from search.leaderboard import write_leaderboard
+        from search.report.leaderboard import write_leaderboard
         from search.promotion import promoted, prune_run_dirs
 
         try:

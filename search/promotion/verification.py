@@ -25,13 +25,12 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from evaluator.process_exit import exit_now
 from evaluator.protocol import GENERATION_KWARGS
 
 CHECK_ROWS = 50  # rows of the recorded ood_val answers a check generates again
 MAX_DISAGREEMENTS_PER_50 = 2  # near-ties bfloat16 batching may flip
 TIMEOUT_S = 1800
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CHECK_PARTS = ("start", "load", "answers", "exit")  # a check's seconds (`verify`'s outcome["seconds"]), in order
 
 _ready_lock = threading.Lock()
@@ -141,7 +140,7 @@ def _start_checker() -> subprocess.Popen:
         "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
     }
-    return subprocess.Popen([sys.executable, "-m", "search.verification"], stdin=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "search.promotion"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)  # fmt: skip
 
 
@@ -198,7 +197,7 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
-def _serve() -> int:
+def serve() -> int:
     """The subprocess: its imports, then the request on stdin (an empty one: the search ended without a check)."""
     import evaluator.evaluation  # noqa: F401 - torch, transformers' Qwen2-VL classes, datasets: before the request
     from transformers import Qwen2VLProcessor  # noqa: F401 - what AutoProcessor resolves to
@@ -215,6 +214,3 @@ def _serve() -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    exit_now(_serve())
