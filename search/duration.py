@@ -34,26 +34,21 @@ from search.backends import TIMING_KEYS as PARTS
 ROUND_PARTS = ("setup", "train", "save", "eval")  # a training round's parts; a merge's are build and eval
 from trainer.config import TrialConfig
 
-# H200 priors, measured with the trainer as it runs (bench/grpo_profile.py, bench/results/2026-12-03-h200.json: the
-# 2B model, 8 completions per step, 8 steps per generation, 256-token completions): the replica's compiled decode
-# step costs ~9 ms at batch 64 (a generation of 64 completions: 2.3-2.8 s), ~10 ms for LoRA (merging the adapters
-# into the replica adds ~25 ms per generation); the rest of a step (old log-probs, forward, backward, optimizer)
-# ~0.55 s per 2,048 completion tokens; a round's first generation compiles (36-44 s; later rounds on the machine
-# reuse inductor's on-disk cache). A 20-step LoRA round of a real search: setup 21.5 s, save 6.2 s, the evaluation of
-# 288 rows 105 s in a fresh process (loading, compiling the static cache, generating at ~39 rows/s).
+# H200 priors, from the trainer as it runs on the 2B model (bench/grpo_profile.py; the figures behind each constant
+# are in docs/MEASUREMENTS.md): priors near a real round keep the first rounds' allotments sensible before any fit.
 DECODE_FULL_S = 0.009
 DECODE_LORA_S = 0.010
 TOKEN_S = 0.00027
 COMPILE_S = 40.0  # once per round that compiles its rollouts
-INROUND_EVAL_ROW_S = 0.16  # greedy generate, dynamic cache, batch 32 (the brief: 6.2 prompts/s at batch 64)
+INROUND_EVAL_ROW_S = 0.16  # greedy generate, dynamic cache, batch 32
 SETUP_S = 25.0  # launch, imports, model, replica (and reference model) loading, dataset loading
 SAVE_S = 10.0  # merge, save_pretrained of 4.4 GB
 # One evaluation process: model loading and the static cache's compilation. Its imports and data loading happen while
 # the round trains (LocalBackend starts the evaluator beside the trainer).
 EVAL_LOAD_S = 75.0
 EVAL_ROW_S = 0.03
-# A merge candidate's build, per model it reads (search.merge.soup: the 2B model's 4.4 GB read, averaged in float32, the
-# result written): bench/soup_cost.py on a CPU.
+# A merge candidate's build, per model it reads (search.merge.soup: the 2B model's 4.4 GB read, averaged in float32,
+# the result written; bench/soup_cost.py).
 BUILD_MODEL_S = 8.0
 # The box's 48 GB cards against an H200: a guess (less bandwidth and compute; decode is partly launch-bound),
 # replaced by the fit as soon as one round has finished.

@@ -84,7 +84,7 @@ class TrialConfig:
         "integer n on every n-th layer only (transformers' `every_n_layers`, counted over the vision blocks and the "
         "decoder layers; 1 is true). None: on CUDA the fewest checkpointed layers whose estimated peak fits the card "
         "(trainer/memory.py; every layer when the vision tower trains, whose activations it leaves out), none on CPU. "
-        "Fewer checkpointed layers: a faster step, a higher peak (bench/results/2026-12-04-h200.json).",
+        "Fewer checkpointed layers: a faster step, a higher peak (docs/MEASUREMENTS.md).",
         None,
     )
     gpu_memory_gb: float | None = _help(
@@ -96,8 +96,7 @@ class TrialConfig:
     liger_kernels: bool = _help(
         "Run the policy's RMSNorm, SwiGLU MLP (and the vision tower's LayerNorm) as liger-kernel's Triton kernels "
         "(the `gpu` extra: pip install '.[gpu]'); the loss stays TRL's. A round without them (no CUDA, no package) "
-        "fails at set-up. Off by default: on an H200 they lower the peak but slow the step "
-        "(bench/results/2026-12-04-h200.json).",
+        "fails at set-up. Off by default: they lower the peak but slow the step (docs/MEASUREMENTS.md).",
         False,
     )
     compile_training: bool = _help(
@@ -114,7 +113,7 @@ class TrialConfig:
     batched_vision_attention: bool = _help(
         "The vision tower attends to all the images of a forward in one call (evaluator.vision_attention) instead "
         "of once per image and layer, in the rollout replica and in the trained policy. Off by default: the tower is "
-        "a small part of a step, and no gain end to end was measured (bench/results/2026-12-04-h200.json).",
+        "a small part of a step, so little is to be gained end to end for another kernel's arithmetic.",
         False,
     )
 

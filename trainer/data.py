@@ -67,8 +67,8 @@ class _ToPrompts:
 
         Why a cache: TRL's dataloader yields the whole generation batch (each prompt `num_generations` times) at every
         optimizer step and uses it only at generation steps, so each image was decoded and resized
-        num_generations x generation_steps times: ~0.3 s per step for 64 rows of 480x320, 26% of a full fine-tuning
-        step on an H200 (bench/grpo_profile.py). The copies share one image object; nothing downstream edits it."""
+        num_generations x generation_steps times, a sizeable share of a step (docs/MEASUREMENTS.md). The copies share
+        one image object; nothing downstream edits it."""
         image = self._images.pop(row, None)
         if image is None:
             image = fetch_image({"image": self._decoder.decode_example(stored), "max_pixels": self.max_pixels})

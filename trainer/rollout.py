@@ -7,11 +7,11 @@ GPU machine does not have):
 - Full fine-tuning keeps float32 master weights (trainer.round._load_model says why), and TRL's rollouts run outside
   autocast, so every decode step read 4 bytes per weight and ran float32 matmuls. The replica holds bfloat16 weights:
   the values the training forward's bf16 autocast computes with anyway (round-to-nearest of the same masters).
-- LoRA: the unmerged peft model runs each adapted projection twice per decode step (the brief measured 16.4 s per
-  step against 8.6 s for full fine-tuning). The replica holds W + scale * B @ A, one matmul per projection; the base
+- LoRA: the unmerged peft model runs each adapted projection twice per decode step, which made a LoRA step about
+  twice as slow as a full fine-tuning one. The replica holds W + scale * B @ A, one matmul per projection; the base
   weights of the policy are never touched, so the frozen reference and the final merge stay exact.
-- A static KV cache with a compiled decode step (transformers' `cache_implementation="static"`; about 3x per decode
-  step on an H200, measured for the evaluator) needs weights at fixed addresses: CUDA graphs replay reads from the
+- A static KV cache with a compiled decode step (transformers' `cache_implementation="static"`, several times
+  faster per decode step than the dynamic cache) needs weights at fixed addresses: CUDA graphs replay reads from the
   captured storage. The replica's tensors are updated in place (`copy_`), so one compilation serves the whole round.
   TRL itself turns compilation off (`disable_compile=True` in its generation config).
 
