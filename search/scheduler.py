@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from pathlib import Path
 from typing import Callable
 
 import optuna
@@ -56,8 +55,7 @@ class Scheduler:
         self.promoter = promoter or SubmissionPromoter(settings)
         self.on_round_end, self.on_round_scored = on_round_end, on_round_scored
         self.final_check_result: tuple[bool, str] | None = None
-        reap = lambda run_dir: getattr(self.backend, "reap_orphan", lambda _: [])(run_dir)  # noqa: E731 - at sweep time
-        self.workers = workers.Workers(study, self._say, reap)
+        self.workers = workers.Workers(study, self._say, self._reap)
         self.duration = DurationModel(eval_rows=(settings.ood_rows or OOD_ROWS_GUESS) + settings.val_rows,
                                       prior_scale=settings.duration_prior_scale)  # fmt: skip
         self.stage = StageRunner(settings, by_hand=merge_only)
@@ -147,7 +145,7 @@ class Scheduler:
             self._tell_failed(trial, "no time left for a useful round", count=False)
             self._close(f"no time left for a useful round ({self._left_text(now)})")
             return
-        run_dir, gpus = self._run_dir(trial), self._slots[slot]
+        run_dir, gpus = trials.run_dir(self.settings.rounds_dir, trial), self._slots[slot]
         try:
             config = space.sample_config(trial, self.settings, str(run_dir))
         except ConfigError as error:  # a sampled combination the trainer would refuse
@@ -187,7 +185,7 @@ class Scheduler:
 
     def _launch_base(self, trial: optuna.Trial, slot: int, now: float) -> None:
         """Round 0: score the base model with the evaluations of every round."""
-        run_dir, gpus = self._run_dir(trial), self._slots[slot]
+        run_dir, gpus = trials.run_dir(self.settings.rounds_dir, trial), self._slots[slot]
         allotted = allotment.base_round(self.duration, now, self.settings.round_min_minutes, self.deadline)
         trials.set_attrs(trial, {"steps": 0, "total_steps": 0, "predicted_s": round(allotted.predicted_s, 1),
                                  "allotted_s": round(allotted.end_by - now, 1), "run_dir": str(run_dir), "gpus": gpus,
@@ -202,13 +200,12 @@ class Scheduler:
         self._say(f"round {trial.number} starts on {gpus_text(gpus)}: scoring the base model, predicted "
                   f"{minutes(allotted.predicted_s)}")  # fmt: skip
 
+    def _reap(self, run_dir: str) -> list[int]:  # the backend's, read at sweep time (a test may swap the backend)
+        return getattr(self.backend, "reap_orphan", lambda _: [])(run_dir)
+
     def _start(self, slot: int, r: RunningRound) -> None:
         self._running[slot] = r
         self.workers.heartbeat.add(r.trial)
-
-    def _run_dir(self, trial: optuna.Trial) -> Path:
-        # Per study: several studies (the demo, a renamed study) may share one runs folder.
-        return Path(self.settings.rounds_dir) / f"round-{trial.number:04d}"
 
     def parent_of(self, init: str) -> lineage.Parent:
         """What a round of `init` starts from (search.lineage)."""

@@ -157,7 +157,7 @@ class StageRunner:
             return False
         trial = trials.new_trial(s.study, space.MERGE)
         s.workers.claim(trial)
-        run_dir, gpus = s._run_dir(trial), s._slots[slot]
+        run_dir, gpus = trials.run_dir(s.settings.rounds_dir, trial), s._slots[slot]
         trials.set_attrs(trial, {
             "parent": list(candidate.ingredients), "ingredients": list(candidate.ingredients), "eta": candidate.eta,
             "merge_kind": candidate.kind, "models_read": spec.models_read, "steps": 0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
@@ -24,6 +25,11 @@ from trainer.run_folder import FailureKind, RoundState
 # ignores (it models COMPLETE, PRUNED and RUNNING trials only) and so would keep sampling there. The trial's `state`
 # attribute still says failed.
 CONFIG_FAILURES = frozenset({FailureKind.NAN, FailureKind.OUT_OF_MEMORY})
+
+
+def run_dir(rounds_dir: str, trial: optuna.Trial) -> Path:
+    """A round's folder, inside the study's own rounds folder (several studies may share one runs folder)."""
+    return Path(rounds_dir) / f"round-{trial.number:04d}"
 
 
 def set_attrs(trial: optuna.Trial, attrs: dict) -> None:
