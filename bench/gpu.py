@@ -54,7 +54,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from search.promotion.verification import CHECK_PARTS  # noqa: E402
+from search.promotion import CHECK_PARTS  # noqa: E402
 
 SECTIONS = ("eval", "eval_1k", "round_eval", "decode_profile", "grpo", "profile", "vision", "search")
 ROUND_SECONDS = 30 * 60  # the reference round

@@ -60,8 +60,8 @@ def run_arm(arm: str, hours: float, work: Path, n_eval: int, seed: int, device: 
     print(search.stdout[-4000:], search.stderr[-2000:], sep="\n", flush=True)
     if search.returncode != 0:
         raise SystemExit(f"the {arm} search exited with {search.returncode}")
-    from search.report.leaderboard import why_it_won
-    from search.promotion.submission import promoted
+    from search.report import why_it_won
+    from search.promotion import promoted
     from search.settings import load_settings
     from search.study import load_existing_study
 

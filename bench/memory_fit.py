@@ -53,7 +53,7 @@ def predicted(config, model: Path) -> dict[str, Any]:
     """What the search predicts before the launch: the plan on a card of `gpu_memory_gb`, one GPU."""
     from transformers import AutoConfig
 
-    from search.backends.fit import FitCheck
+    from search.backends import FitCheck
 
     fit = FitCheck(lambda: AutoConfig.from_pretrained(model), lambda gpus: config.gpu_memory_gb * 1e9)(config, [0])
     return {"fits": fit.fits, **fit.attrs()}

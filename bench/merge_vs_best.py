@@ -53,8 +53,8 @@ def arms(settings, study, work: Path) -> tuple[dict[str, Path], dict[str, Any]]:
     """The model folders compared (the best round, each merge candidate, the submission) and what the stage did."""
     from optuna.trial import TrialState
 
-    from search.promotion.submission import promoted
-    from search.merge.soup import MergeSpec, build
+    from search.promotion import promoted
+    from search.merge import MergeSpec, build
     from trainer.run_folder import MERGED_DIR
 
     done = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE and t.value is not None]

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from search.promotion.submission import link_tree, promote  # noqa: E402
+from search.promotion import link_tree, promote  # noqa: E402
 
 SHARDS = 2
 CHUNK = 4 << 20

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 
 from bench.learning import accuracy_entry, paired_difference, score  # noqa: E402
 from search.settings import DEMO_BUDGET  # noqa: E402
-from search.report.leaderboard import BASELINE  # noqa: E402  (the warm start the leaderboard compares against)
+from search.report import BASELINE  # noqa: E402  (the warm start the leaderboard compares against)
 
 KINDS = ("other", "compositional")
 
@@ -57,7 +57,7 @@ def run_search(budget: Path, hours: float) -> None:
 
 def arms(settings, study) -> dict[str, Path]:
     """The model folders compared: the taught base, the promoted model, the baseline round's merged model."""
-    from search.promotion.submission import promoted
+    from search.promotion import promoted
     from trainer.run_folder import MERGED_DIR
 
     marker = promoted(settings.submission_path)

@@ -43,7 +43,7 @@ def timed_build(base: Path, ingredients: list[Path], eta: float, run_dir: Path) 
     """One build in a fresh process: its wall seconds, the seconds it reports, and its peak resident set."""
     import shutil
 
-    from search.merge.soup import MergeSpec
+    from search.merge import MergeSpec
 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from evaluator.evaluation import evaluate
     from search.promotion import verification
-    from search.promotion.verification import expected_answers, verify
+    from search.promotion import expected_answers, verify
     from synthetic.models import build_model
     from synthetic.splits import write_split
 

@@ -101,3 +101,10 @@ def recording(redact: Callable[[str], str] = _as_is) -> Iterator[Recording]:
     finally:
         record._close()
         _redact = _as_is
+
+
+def minutes(seconds: float) -> str:
+    """A duration as the printed lines show it: `42 min`, `1h05`."""
+    seconds = max(0.0, seconds)
+    hours, whole = divmod(int(round(seconds / 60)), 60)
+    return f"{hours}h{whole:02d}" if hours else f"{whole} min"

@@ -28,7 +28,9 @@ import optuna
 from search import space
 from search.duration import DurationModel
 from search.backends import FitCheck, LocalBackend, card_bytes_of, model_config
+from search.log import warn
 from search.settings import Settings
+from trainer import memory
 from trainer.config import TrialConfig
 from common.validation import one_line
 
@@ -63,8 +65,6 @@ def preflight(settings: Settings, say: Callable[[str], None] = print) -> int:
     say(_table(rows, time.monotonic() - began))
     failed = [row for row in rows if not row.ok]
     if failed:
-        from search.log import warn
-
         warn(f"check failed: {failed[0].what}: {failed[0].detail}")
         return 1
     return 0
@@ -100,8 +100,6 @@ def _config(settings: Settings, recipe: dict) -> TrialConfig:
 def heaviest_admitted(settings: Settings, check: FitCheck) -> TrialConfig | None:
     """Of `candidates`, the one of the highest predicted peak that `check` admits on the first slot's card (on the
     CPU, or a card of unknown memory: the one of the largest footprint)."""
-    from trainer import memory
-
     best, best_peak = None, -math.inf
     for config in candidates(settings):
         fit = check(config, settings.slots[0])

@@ -18,7 +18,7 @@ from search.backends import RoundHandle, RoundOutcome
 from search.lineage import Parent
 from search.workers import Workers
 from search.merge import Candidate
-from search.report import minutes
+from search.log import minutes
 from trainer.config import TrialConfig
 from trainer.run_folder import FailureKind, Phase, RoundState
 

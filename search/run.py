@@ -8,6 +8,9 @@ password, in the terminal or in the log.
 What a search leaves to read (leaderboard.md, leaderboard.csv, search.log: every line it printed, with its time) goes
 next to the study's journal file. A database URL names no folder: they go into the folder the search is started from,
 which is each box's own when several share a study.
+
+The scheduler, the backends (torch), the promotion and the demo's builder are imported where a branch needs them: a
+leaderboard, a bad input or `--help` answers without loading them.
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ from optuna.trial import FrozenTrial, TrialState
 from search import allotment, interrupts, lineage, space, trials, workers
 from search.backends import Backend, Clock, Fit, RoundOutcome
 from search.duration import DurationModel
-from search.log import say
+from search.log import minutes, say
 from search.promotion import Promoter, SubmissionPromoter, promote_recorded
-from search.report import StatusLine, describe, describe_merge, gpus_text, minutes
+from search.report import StatusLine, describe, describe_merge, gpus_text
 from search.rounds import RunningRound, abandon, end_lost
 from search.settings import Settings
 from search.stage_runner import StageRunner

@@ -769,7 +769,7 @@ def _check_splits(settings: Settings) -> None:
 def _check_lock_file(submission: Path) -> None:
     """The promotion locks a plain file next to the submission: a symlink there would have the search open (and
     create) whatever it points at."""
-    from search.promotion import lock_path
+    from search.promotion import lock_path  # late: a budget's checks load without the promotion's imports
 
     lock = lock_path(submission)
     if lock.is_symlink():

@@ -19,7 +19,8 @@ from search import lineage, selection, space, trials
 from search.allotment import Allotment
 from search.merge import Candidate, Decision, Ingredient, MergeSpec, MergeStage, rank
 from search.promotion import delete_weights
-from search.report import describe_merge, gpus_text, minutes
+from search.log import minutes
+from search.report import describe_merge, gpus_text
 from search.rounds import RunningRound
 
 if TYPE_CHECKING:

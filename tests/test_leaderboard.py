@@ -257,12 +257,12 @@ def test_the_leaderboard_command_shows_a_study_with_an_odd_trial(tmp_path, monke
 
 def test_a_failing_last_leaderboard_write_does_not_lose_the_summary(tmp_path, monkeypatch, capsys):
     import run_search
-    from search.report import leaderboard
+    from search import report
 
     def full_disk(study, folder):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(leaderboard, "write_leaderboard", full_disk)
+    monkeypatch.setattr(report, "write_leaderboard", full_disk)  # the search's last write, after its rounds
     monkeypatch.chdir(tmp_path)
     assert run_search.main(["--simulate", "--hours", "1", "--storage", "st/study.db"]) == 0
     captured = capsys.readouterr()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from search import space
 from search.folders import inside
 from search.promotion import submission, verification
-from search.report import minutes
+from search.log import minutes
 
 if TYPE_CHECKING:
     import optuna

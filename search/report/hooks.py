@@ -8,6 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from search.log import warn
+from search.promotion import promoted, prune_run_dirs
+from search.report.leaderboard import write_leaderboard
+from search.report.plots import artifact_dir, plot_round, upload_plot
 from search.settings import Settings
 
 
@@ -19,8 +22,6 @@ class RoundPlot:
         self.settings = settings
 
     def __call__(self, trial, outcome) -> None:
-        from search.report.plots import artifact_dir, plot_round, upload_plot
-
         try:
             run_dir = Path(trial.user_attrs["run_dir"])
             png = plot_round(run_dir, run_dir / f"round-{trial.number:04d}.png",
@@ -38,9 +39,6 @@ class RoundEnd:
         self.settings, self.study, self.folder, self.prune = settings, study, folder, prune
 
     def __call__(self, trial, outcome) -> None:
-        from search.report.leaderboard import write_leaderboard
-        from search.promotion import promoted, prune_run_dirs
-
         try:
             if self.prune:
                 held = (promoted(self.settings.submission_path) or {}).get("trial")

@@ -1,4 +1,4 @@
-"""The scheduler's printed lines: a round described in a few words, durations in minutes, the status line."""
+"""The scheduler's printed lines: a round described in a few words, the status line."""
 
 from __future__ import annotations
 
@@ -26,12 +26,6 @@ def describe_merge(candidate: Candidate) -> str:
 
 def gpus_text(gpus: list[int]) -> str:
     return f"gpu {','.join(map(str, gpus))}" if gpus else "cpu"
-
-
-def minutes(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    hours, whole = divmod(int(round(seconds / 60)), 60)
-    return f"{hours}h{whole:02d}" if hours else f"{whole} min"
 
 
 class StatusLine:
