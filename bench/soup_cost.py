@@ -1,4 +1,4 @@
-"""What a merge's build costs: seconds and peak host memory of `python -m search.merge.soup` on models of the real
+"""What a merge's build costs: seconds and peak host memory of `python -m search.merge` on models of the real
 Qwen2-VL-2B size (random weights, bfloat16, 4.4 GB each), against the size of one model.
 
     python bench/soup_cost.py --work /tmp/soup-cost --ingredients 4 --out bench/results/DATE-cpu-soup-cost.json
@@ -54,7 +54,7 @@ def timed_build(base: Path, ingredients: list[Path], eta: float, run_dir: Path) 
     # A fresh child per build, alone in this process's children, so RUSAGE_CHILDREN's maximum is its own.
     pid = os.fork()
     if pid == 0:
-        os.execv(sys.executable, [sys.executable, "-m", "search.merge.soup", "--spec", str(spec_path)])
+        os.execv(sys.executable, [sys.executable, "-m", "search.merge", "--spec", str(spec_path)])
     peaks = {"RssAnon": 0, "RssFile": 0}
     while True:
         ended, status, usage = os.wait4(pid, os.WNOHANG)
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ingredients", type=int, default=4)
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args(argv)
-    os.chdir(ROOT)  # `python -m search.merge.soup` from the project
+    os.chdir(ROOT)  # `python -m search.merge` from the project
     base, ingredients = models(args.work, args.ingredients)
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "

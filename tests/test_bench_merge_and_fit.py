@@ -31,7 +31,8 @@ def test_memory_fit_rounds_are_the_space_s_heaviest_and_its_refused_one(tmp_path
         assert config.gpu_memory_gb == 48.0 and config.output_dir == str(tmp_path / name)
         assert config.prompts_per_step == 2 and config.max_completion_length == 256  # budget.yaml's fixed
         fits[name] = check(config, [0])
-    assert fits["heaviest_admitted"].fits and not fits["refused_vision_tower"].fits
+    assert fits["heaviest_admitted"].fits
+    assert not fits["refused_vision_tower"].fits and not fits["refused_full_kl_group_16"].fits
     admitted = [f.plan.peak_bytes for name, f in fits.items() if f.fits]
     assert max(admitted) == fits["heaviest_admitted"].plan.peak_bytes
 

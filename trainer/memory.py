@@ -4,18 +4,22 @@ The estimate, in bytes on one GPU at the peak of a training step:
 
     weights (as held) + trainable x 12 (float32 gradient and AdamW's two states) + the rollout replica (bfloat16)
     + the reference model (bfloat16, full fine-tuning with beta > 0)
-    + tokens x hidden x (KEPT_BYTES x layers that keep their activations + CHECKPOINTED_BYTES x checkpointed layers)
+    + the larger of: a training pass's activations,
+          tokens / micro_batches x hidden x (KEPT_BYTES x layers keeping their activations + CHECKPOINTED_BYTES x
+          checkpointed layers),
+      and what scoring a generation batch holds, LOGIT_BYTES x vocabulary x completion tokens (not split)
 
 with tokens = completions per process and step x (a bound on the prompt + max_completion_length): the prompt bound is
 an image of `max_pixels` (one token per 28 x 28 pixels) plus PROMPT_TEXT_TOKENS. The two per-token coefficients are
 fitted to the two peaks measured on an H200 for full fine-tuning of the 2B model (bench/grpo_profile.py in
 bench/results/2026-12-03-h200.json: 31.1 GiB with every layer checkpointed, 41.1 GiB with none, 8 completions of
 245 + 256 tokens); bench/results/2026-12-04-checkpointing-memory-model.md has the derivation and how well it predicts
-the LoRA peaks. A plan fits when its estimate is at most HEADROOM of the card's memory: the rest is for the CUDA
+the LoRA peaks. LOGIT_BYTES comes from a round of 32 completions that ran out of memory under a 48 GB cap in every
+split it was given (bench/results/2026-12-07-fit-vs-measured.md). A plan fits when its estimate is at most HEADROOM of the card's memory: the rest is for the CUDA
 context, the allocator's cached blocks and the estimate's error.
 
 What a round may change to fit (`plan`), in this order: checkpoint more decoder layers, then split the step's
-completions into more micro-batches (TRL's gradient accumulation: the same groups and the same optimizer step, each
+completions into more micro-batches (at least enough that a pass holds at most MAX_PASS_TOKENS) (TRL's gradient accumulation: the same groups and the same optimizer step, each
 forward and backward on a share of the tokens). A round whose every plan is over the card does not fit: the search
 never launches it (search/backends/fit.py predicts the same plan before the launch).
 """
@@ -37,7 +41,15 @@ KEPT_BYTES = 71.4
 CHECKPOINTED_BYTES = 9.2
 PROMPT_TEXT_TOKENS = 64  # the chat template and question around the image (58 for the synthetic prompts)
 IMAGE_PIXELS_PER_TOKEN = 28 * 28  # Qwen2-VL: 14-pixel patches merged 2 x 2
-HEADROOM = 0.9
+# The most tokens a training pass may hold: twice the largest pass the per-token coefficients were fitted on. Past it
+# the estimate runs low (a pass of 13,312 tokens held at least 1.7 times its estimate), so larger passes are split.
+MAX_PASS_TOKENS = 8000
+# Bytes per completion token per vocabulary entry held while a generation batch is scored (its logits for the old and
+# reference log-probs, whichever micro-batches the training step is split into).
+LOGIT_BYTES = 5.4
+# Of the card, for the estimate: the rest is for the CUDA context, the allocator's cached blocks (3-5 GB at a 48 GB
+# cap) and the estimate's error.
+HEADROOM = 0.85
 GiB = 2**30
 
 
@@ -50,6 +62,7 @@ class Footprint:
     hidden: int  # the language model's hidden size
     decoder_positions: tuple[int, ...]  # each decoder layer's index among the model's checkpointable layers
     completions: int = 1  # sequences of one step on this process: the micro-batches split them evenly
+    generation_bytes: float = 0.0  # held while a generation batch is scored, before training: not split
 
 
 @dataclass(frozen=True)
@@ -69,7 +82,7 @@ def peak_bytes(footprint: Footprint, every: int, micro_batches: int = 1) -> floa
     checkpointed = checkpointed_layers(footprint.decoder_positions, every)
     kept = len(footprint.decoder_positions) - checkpointed
     per_token = footprint.hidden * (KEPT_BYTES * kept + CHECKPOINTED_BYTES * checkpointed)
-    return footprint.fixed_bytes + footprint.tokens / micro_batches * per_token
+    return footprint.fixed_bytes + max(footprint.generation_bytes, footprint.tokens / micro_batches * per_token)
 
 
 def checkpointed_layers(decoder_positions: Sequence[int], every: int) -> int:
@@ -82,14 +95,15 @@ def checkpointed_layers(decoder_positions: Sequence[int], every: int) -> int:
 
 def plan(footprint: Footprint, card_bytes: float, *, every: int | None = None) -> Plan:
     """The first plan whose estimated peak fits HEADROOM x `card_bytes`: the fewest micro-batches (divisors of the
-    step's completions) at which some checkpoint interval fits, with the fewest checkpointed decoder layers there;
+    step's completions, each pass at most MAX_PASS_TOKENS) at which some checkpoint interval fits, with the fewest checkpointed decoder layers there;
     `every` given: that interval only. None fitting: the lowest estimate (every layer, or `every`, one completion a
     pass), marked as not fitting."""
     budget = HEADROOM * card_bytes
     layers = max(footprint.decoder_positions, default=0) + 1
     by_cost = sorted(range(layers + 1), key=lambda n: checkpointed_layers(footprint.decoder_positions, n))
     intervals = by_cost if every is None else [every]  # 0 first, then intervals by how many layers they checkpoint
-    splits = [n for n in range(1, footprint.completions + 1) if footprint.completions % n == 0]
+    divisors = [n for n in range(1, footprint.completions + 1) if footprint.completions % n == 0]
+    splits = [n for n in divisors if footprint.tokens / n <= MAX_PASS_TOKENS] or divisors[-1:]
     for micro in splits:
         for interval in intervals:
             peak = peak_bytes(footprint, interval, micro)
@@ -149,4 +163,5 @@ def footprint(model: torch.nn.Module, *, lora_targets: str | None, lora_rank: in
         hidden=text.config.hidden_size,
         decoder_positions=tuple(i for i, layer in enumerate(layers) if id(layer) in decoder),
         completions=per_device_completions,
+        generation_bytes=LOGIT_BYTES * text.config.vocab_size * max_completion_length * per_device_completions,
     )
