@@ -26,6 +26,7 @@ from search.backends.base import RoundOutcome
 from search.backends.fit import FitCheck, card_bytes_of
 from search.folders import inside
 from search.merge import SPEC_FILE, MergeSpec
+from search.settings import Settings
 from trainer.config import TrialConfig
 from trainer.run_folder import (
     EVAL_LOG,
@@ -55,7 +56,7 @@ except OSError:  # not Linux/glibc: no parent-death signal, the orphan sweep alo
 
 
 class LocalBackend:
-    def __init__(self, settings):
+    def __init__(self, settings: Settings):
         self.settings = settings
         # Overridable commands (tests substitute stub programs). None: `python -m trainer` for one process,
         # `accelerate launch --num_processes N -m trainer` for several GPUs. Both get `--config RUN_DIR/trial.json`.
@@ -377,7 +378,7 @@ def wait_for_any_end(pids: list[int], seconds: float) -> None:
             os.close(descriptor)
 
 
-def threads_per_round(settings) -> int | None:
+def threads_per_round(settings: Settings) -> int | None:
     """CPU threads for each round's processes when several rounds run at once: the cores shared out, since torch
     gives every process as many threads as there are cores and side-by-side rounds then fight over them (their
     GPUs wait on the CPU). None (torch's default) for one round at a time, or when OMP_NUM_THREADS is set."""

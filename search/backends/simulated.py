@@ -26,6 +26,7 @@ from search.backends.base import RoundOutcome
 from search.backends.clock import Clock
 from search.backends.fit import FitCheck
 from search.merge import MergeSpec
+from search.settings import Settings
 from trainer.config import TrialConfig
 from trainer.run_folder import MERGED_DIR, FailureKind, Phase, RoundState
 
@@ -72,7 +73,7 @@ MULTI_GPU_EFFICIENCY = 0.85
 class SimulatedBackend:
     def __init__(
         self,
-        settings,
+        settings: Settings,
         clock: Clock,
         seed: int = 0,
         *,
@@ -136,7 +137,7 @@ def merged_accuracy(accuracies: list[float], eta: float, rng: random.Random) -> 
     return _clip(moved + rng.gauss(0.0, MERGE_NOISE))
 
 
-def true_duration(config: TrialConfig, settings) -> float:
+def true_duration(config: TrialConfig, settings: Settings) -> float:
     """The noise-free seconds of a completed, evaluated round (what the DurationModel should learn)."""
     parts = _true_parts(config, settings, settings.gpus_per_trial if settings.gpus else 1)
     evals = config.steps // config.eval_every if config.eval_every else 0
