@@ -1,0 +1,423 @@
+"""Tests written for the survivors of the mutation run (bench/mutation.py; the figures and the list of survivors in
+bench/results/2026-12-07-cpu-mutation.md): each one kills mutants a user would have been hurt by. CPU, seconds."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from evaluator import protocol
+from search import folders, selection
+
+
+# --- evaluator/protocol.py -------------------------------------------------------------------------------------------
+
+
+def test_the_messages_carry_the_template_they_are_given():
+    """The prompt a round trains and is scored with is the configured template's, not silently the default one."""
+    messages = protocol.build_messages("image", "How many apples?", template="Q: {question} A:")
+    assert messages[0]["content"][1] == {"type": "text", "text": "Q: How many apples? A:"}
+
+
+# --- search/folders.py -----------------------------------------------------------------------------------------------
+
+
+def test_a_studys_folder_name_is_stable():
+    """A resumed study finds its round folders: the folder of a name that is not plain is its plain characters (upper
+    case kept, runs of others one dash, no leading or trailing dot or dash, at most 60) and 10 hex digits of the
+    name's SHA-256, the same on every version that reads the study."""
+
+    def digest(name: str) -> str:
+        return hashlib.sha256(name.encode()).hexdigest()[:10]
+
+    assert folders.study_folder("My Study/2") == f"My-Study-2-{digest('My Study/2')}"
+    assert folders.study_folder(".hidden:") == f"hidden-{digest('.hidden:')}"
+    assert folders.study_folder("..") == f"study-{digest('..')}"
+    assert folders.study_folder("ÄÖ") == f"study-{digest('ÄÖ')}"
+    long = "A" * 70 + "/"
+    assert folders.study_folder(long) == f"{'A' * 60}-{digest(long)}"
+    assert folders.study_folder("plain_Name-1.0") == "plain_Name-1.0"
+
+
+def _fake_mountinfo(monkeypatch, content: bytes | None, tmp_path: Path) -> None:
+    """/proc/self/mountinfo read from a file of `content` (None: unreadable, as on a system without /proc)."""
+    table = tmp_path / "mountinfo"
+    if content is not None:
+        table.write_bytes(content)
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):
+        if path == "/proc/self/mountinfo":
+            if content is None:
+                raise FileNotFoundError(path)
+            return real_open(table, *args, **kwargs)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(folders, "open", fake_open, raising=False)
+
+
+def test_without_a_mount_table_a_plain_folder_is_no_mount_point_and_the_root_is_one(tmp_path, monkeypatch):
+    """Where the kernel's table cannot be read, os.path.ismount still decides: the root is a mount point (never
+    renamed), a folder of the same filesystem is not (the submission is swapped by rename as usual)."""
+    _fake_mountinfo(monkeypatch, None, tmp_path)
+    assert folders.is_mount_point("/")
+    assert not folders.is_mount_point(tmp_path)
+
+
+def test_a_mount_table_with_bytes_that_are_not_utf8_is_still_read(tmp_path, monkeypatch):
+    """A mount point whose name is not UTF-8 (another volume's) does not hide the submission's bind mount, nor crash
+    the check."""
+    mounted = tmp_path / "sub mit"
+    mounted.mkdir()
+    escaped = str(mounted).replace(" ", "\\040").encode()
+    content = (b"35 30 0:1 / /mnt/caf\xe9 rw - ext4 /dev/sdb1 rw\n"
+               b"36 35 98:0 /data " + escaped + b" rw,noatime - ext4 /dev/sda1 rw\n")  # fmt: skip
+    _fake_mountinfo(monkeypatch, content, tmp_path)
+    assert folders.is_mount_point(mounted)
+    assert not folders.is_mount_point(tmp_path)
+
+
+def test_a_folder_nobody_can_write_to_is_reported(tmp_path):
+    """check_box's writability test writes in the folder itself: /proc refuses even root, and says so."""
+    why = folders.unwritable(Path("/proc"), must_exist=True)
+    assert why is not None and why.startswith("/proc is not writable")
+    assert folders.unwritable(tmp_path, must_exist=True) is None
+    assert folders.unwritable(tmp_path / "a" / "b", must_exist=False) is None
+    assert not (tmp_path / "a").exists()  # the check writes nothing that outlives it
+
+
+# --- search/selection.py ---------------------------------------------------------------------------------------------
+
+
+def test_a_row_is_correct_only_when_its_answer_equals_the_gold_count():
+    """The per-row correctness the paired comparison and the leaderboard read: an answer counts only when equal."""
+    per_row = {"index": [0, 1, 2, 3], "answer": [3, 2, None, 0], "gold": [3, 4, 1, 0]}
+    assert selection.correctness(per_row) == [True, False, False, True]
+
+
+def test_a_report_with_fewer_answers_than_rows_is_refused():
+    """A truncated report is never scored on the rows it happens to have."""
+    with pytest.raises(ValueError):
+        selection.correctness({"answer": [1, 2], "gold": [1, 2, 3]})
+
+
+@pytest.mark.parametrize("n", range(0, 10))
+def test_rows_packed_into_a_study_read_back_as_they_were(n):
+    """A round's per-row correctness, stored in the study as hex, reads back row for row, whatever the row count."""
+    rows = [(i * 7) % 3 != 1 for i in range(n)]
+    assert selection.unpack(selection.pack(rows), n) == rows
+    attr = selection.rows_attr({"index": list(range(n)), "answer": [int(r) for r in rows], "gold": [1] * n})
+    assert selection.read_rows_attr({selection.OOD_ROWS: attr})[1] == rows
+
+
+def test_the_packed_rows_and_the_digest_keep_their_format():
+    """Studies written by earlier versions stay comparable: the packed rows and the rows' digest are the same bytes."""
+    assert selection.pack([True, False, True, True, False]) == "b0"
+    assert selection.pack([]) == ""
+    per_row = {"index": [4, 7], "gold": [2, 5], "answer": [2, 1]}
+    identity = json.dumps([[4, 7], [2, 5]], separators=(",", ":"))
+    assert selection.rows_digest(per_row) == hashlib.sha256(identity.encode()).hexdigest()[:16]
+    assert selection.rows_attr(per_row) == {"n": 2, "digest": selection.rows_digest(per_row), "correct": "8"}
+
+
+def test_a_lead_needs_the_same_rows_on_both_sides():
+    """Two rounds scored on different rows are not compared (no silently shortened pairing)."""
+    with pytest.raises(ValueError, match="got 1 and 2"):
+        selection.paired_lead([True], [True, False])
+    with pytest.raises(ValueError, match="got 0 and 0"):
+        selection.paired_lead([], [])
+
+
+def test_the_paired_interval_on_few_rows():
+    """The lead's interval: one row has no spread (no division by zero); two rows use the sample variance (n - 1)."""
+    one = selection.paired_lead([True], [False])
+    assert (one.points, one.low, one.high, one.n) == (100.0, 100.0, 100.0, 1)
+    two = selection.paired_lead([True, False], [False, False])
+    half = selection.Z_95 * (0.5 / 2) ** 0.5
+    assert two.n == 2 and two.points == 50.0
+    assert two.low == pytest.approx(100 * (0.5 - half)) and two.high == pytest.approx(100 * (0.5 + half))
+
+
+# --- search/verification.py: the answers check as the search reads its checker's outcome -----------------------------
+
+
+class _Checker:
+    """A checker subprocess that answers `outcome` (or exits `returncode` with `stderr`) without loading anything."""
+
+    def __init__(self, stdout: str, stderr: str = "", returncode: int = 0):
+        self.stdout, self.stderr, self.returncode, self.request, self.timeout = stdout, stderr, returncode, None, None
+
+    def poll(self):
+        return self.returncode
+
+    def communicate(self, request=None, timeout=None):
+        self.request, self.timeout = json.loads(request), timeout
+        return self.stdout, self.stderr
+
+    def kill(self):
+        pass
+
+
+def _checked(monkeypatch, checker: _Checker, **kwargs) -> dict:
+    from search import verification
+
+    monkeypatch.setattr(verification, "_take_ready", lambda: None)
+    monkeypatch.setattr(verification, "_start_checker", lambda: checker)
+    monkeypatch.setattr(verification, "_keep_ready", False)
+    return verification.verify("model-dir", "split-dir", {"index": [0, 1], "answer": [2, 3]}, **kwargs)
+
+
+def _outcome(rows: int, differ: int, allowed: int) -> str:
+    marks = [100.0, 101.5, 104.0]
+    return "log line\n" + json.dumps({"rows": rows, "differ": differ, "allowed": allowed, "differing_rows": list(range(differ)),
+                                      "device": "cpu", "marks": marks}) + "\n"  # fmt: skip
+
+
+def test_a_model_within_the_tolerance_passes_and_its_check_is_timed(monkeypatch):
+    """As many differing rows as allowed pass; the outcome gives every part of the check's time, in order."""
+    from search import verification
+
+    checker = _Checker(_outcome(rows=50, differ=2, allowed=2))
+    outcome = _checked(monkeypatch, checker, gpus=[2, 5], batch_size=8, max_new_tokens=32)
+    assert (outcome["rows"], outcome["differ"], outcome["allowed"]) == (50, 2, 2)
+    assert list(outcome["seconds"]) == list(verification.CHECK_PARTS) and "marks" not in outcome
+    assert outcome["seconds"]["load"] == 1.5 and outcome["seconds"]["answers"] == 2.5
+    assert checker.request == {"model": "model-dir", "data": "split-dir", "batch_size": 8,
+                               "expected": {"index": [0, 1], "answer": [2, 3]}, "max_new_tokens": 32,
+                               "cuda_visible_devices": "2,5"}  # fmt: skip
+    assert checker.timeout == verification.TIMEOUT_S  # a hung checker cannot hang the search
+
+
+def test_a_model_past_the_tolerance_fails_its_check_naming_the_rows(monkeypatch):
+    """One differing row more than allowed: the folder is not the model that was scored, and the error says which
+    rows differ and how many may."""
+    from search.verification import VerificationError
+
+    with pytest.raises(VerificationError) as error:
+        _checked(monkeypatch, _Checker(_outcome(rows=50, differ=12, allowed=2)))
+    assert str(error.value) == ("model-dir answers 12 of 50 ood_val rows otherwise than when it was scored (at most 2 "
+                                "may differ): rows [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]")  # fmt: skip
+    with pytest.raises(VerificationError, match="answers 3 of 50"):
+        _checked(monkeypatch, _Checker(_outcome(rows=50, differ=3, allowed=2)))
+
+
+def test_a_checker_that_fails_says_why_in_one_line(monkeypatch):
+    """The checker's last words are the error; a silent crash still names its exit code."""
+    from search.verification import VerificationError
+
+    checker = _Checker("", "Traceback ...\n  line\ndoes not load: OSError: bad file\n\n", returncode=1)
+    with pytest.raises(VerificationError) as error:
+        _checked(monkeypatch, checker)
+    assert str(error.value) == "model-dir does not load: OSError: bad file"
+    with pytest.raises(VerificationError) as error:
+        _checked(monkeypatch, _Checker("", "", returncode=-11))
+    assert str(error.value) == "model-dir failed the check: exit code -11"
+
+
+def test_the_answers_compared_are_the_first_fifty_rows_and_two_may_differ():
+    """The check regenerates the first CHECK_ROWS recorded rows and allows two differences in fifty."""
+    from search import verification
+
+    per_row = {"index": list(range(80)), "answer": list(range(100, 180)), "gold": [0] * 80}
+    assert verification.expected_answers(per_row) == {"index": list(range(50)), "answer": list(range(100, 150))}
+    assert verification.expected_answers(per_row, rows=3) == {"index": [0, 1, 2], "answer": [100, 101, 102]}
+    assert verification.allowed_disagreements(49) == 1 and verification.allowed_disagreements(75) == 3
+
+
+# --- search/promotion.py ---------------------------------------------------------------------------------------------
+
+
+def _model_folder(folder: Path, tag: str) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"tag": tag}))
+    (folder / "model.safetensors").write_text(tag * 100)
+    return folder
+
+
+def _promoted_into(submission: Path, merged: Path, accuracy: float, **kwargs) -> bool:
+    from search.promotion import promote
+
+    return promote(merged, submission, min_format_rate=90.0, format_rate=97.5, accuracy=accuracy, trial=7,
+                   check=lambda path: None, **kwargs)  # fmt: skip
+
+
+def test_files_found_in_the_submission_are_kept_beside_it_by_default(tmp_path):
+    """Without a study folder to keep them in, what the submission held that no promotion wrote is kept beside it."""
+    submission = _model_folder(tmp_path / "submission", "users")
+    assert _promoted_into(submission, _model_folder(tmp_path / "a", "a"), 10.0)
+    [kept] = sorted(tmp_path.glob("kept-submission-*"))
+    assert json.loads((kept / "config.json").read_text())["tag"] == "users"
+
+
+def test_the_promoted_marker_records_what_was_promoted(tmp_path):
+    """PROMOTED.json says which trial, its accuracy and format rate, and where it came from."""
+    from search.promotion import promoted
+
+    merged = _model_folder(tmp_path / "a", "a")
+    assert _promoted_into(tmp_path / "submission", merged, 55.0, details={"check_rows": {"index": [1]}})
+    marker = promoted(tmp_path / "submission")
+    assert (marker["trial"], marker["accuracy"], marker["format_rate"]) == (7, 55.0, 97.5)
+    assert marker["source"] == str(merged.resolve()) and marker["check_rows"] == {"index": [1]}
+
+
+def test_a_submission_without_a_promoted_model_fails_the_final_check(tmp_path):
+    """The reserve's check never passes a folder the search did not promote into (nothing there for the verifier)."""
+    from search.promotion import final_check
+
+    _model_folder(tmp_path / "submission", "users")
+    result = final_check(tmp_path / "submission", "ood_val", check=lambda path, **kwargs: None)
+    assert not result.passed and result.line == f"FINAL CHECK: {tmp_path / 'submission'} holds no promoted model"
+
+
+def test_the_final_check_says_what_passed_and_which_trial_the_submission_holds(tmp_path):
+    """The summary's line and the trial the submission holds, with and without recorded answers, and when a failed
+    check has nothing to restore."""
+    from search.promotion import PromotionError, final_check
+
+    submission = tmp_path / "submission"
+    assert _promoted_into(submission, _model_folder(tmp_path / "a", "a"), 55.0)
+    result = final_check(submission, "ood_val", check=lambda path, **kwargs: None)
+    assert (result.passed, result.trial) == (True, 7)
+    assert result.line == "final check passed: the submission (trial 7) loads (no recorded answers)"
+
+    def fails(path, **kwargs):
+        raise PromotionError("broken")
+
+    result = final_check(submission, "ood_val", check=fails)
+    assert (result.passed, result.trial, result.restored) == (False, 7, False)
+
+
+def test_a_previous_submission_without_an_accuracy_is_still_restored(tmp_path):
+    """A previous PROMOTED.json without an accuracy (written by hand, or by an older version) does not make the
+    final check raise: the line says nan."""
+    from search.promotion import PromotionError, final_check
+
+    submission = tmp_path / "submission"
+    assert _promoted_into(submission, _model_folder(tmp_path / "a", "a"), 55.0)
+    assert _promoted_into(submission, _model_folder(tmp_path / "b", "b"), 65.0)
+    previous = tmp_path / ".submission.previous" / "PROMOTED.json"
+    marker = json.loads(previous.read_text())
+    del marker["accuracy"]
+    previous.write_text(json.dumps(marker))
+
+    def fails(path, **kwargs):
+        raise PromotionError("broken")
+
+    result = final_check(submission, "ood_val", check=fails)
+    assert result.restored and "nan% on ood_val" in result.line
+
+
+def test_the_submission_check_passes_its_data_and_options_to_the_verifier(monkeypatch):
+    """check_submission checks the answers on the split it is given, with every option of the caller."""
+    from search import promotion, verification
+
+    seen = {}
+    monkeypatch.setattr(verification, "verify", lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs) or {})
+    promotion.check_submission("sub", data="split", expected={"index": [1]}, gpus=[3], batch_size=4, max_new_tokens=9)
+    assert seen == {"args": ("sub", "split", {"index": [1]}), "kwargs": {"gpus": [3], "batch_size": 4,
+                                                                       "max_new_tokens": 9}}  # fmt: skip
+
+
+def test_every_ingredient_of_a_running_merge_keeps_its_weights(tmp_path):
+    """A merge names its ingredients (a list of parents): none of their weights is pruned while it runs."""
+    import optuna
+    from optuna.trial import create_trial
+
+    from search.promotion import prune_run_dirs
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    runs = tmp_path / "runs"
+    for value, name in ((70.0, "best"), (60.0, "one"), (50.0, "two"), (40.0, "neither")):
+        _model_folder(runs / name / "merged", name)
+        study.add_trial(create_trial(value=value, user_attrs={"run_dir": str(runs / name)}))
+    study.ask().set_user_attr("parent", [1, 2])
+    assert [p.relative_to(runs).as_posix() for p in prune_run_dirs(study, 0, runs)] == ["neither/merged"]
+
+
+# --- search/scheduler.py: the time and parent logic -------------------------------------------------------------------
+
+_ROOT = Path(__file__).resolve().parents[1]
+_START = 1_800_000_000.0
+
+
+def _scheduler(tmp_path: Path, **overrides):
+    """A Scheduler on the simulated backend and a virtual clock: 3 hours, 2 one-GPU slots, a 20-minute reserve."""
+    import dataclasses
+
+    import optuna
+
+    from search.clock import VirtualClock
+    from search.scheduler import Scheduler
+    from search.settings import MergeSettings, load_settings
+    from search.simulated_backend import SimulatedBackend
+    from search.study import open_study
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    settings = load_settings(_ROOT / "budget.yaml", hours=3, storage=str(tmp_path / "study.db"))
+    values = dict(runs_dir=str(tmp_path / "runs"), gpus=2, gpus_per_trial=1, reserve_minutes=20, round_min_minutes=20,
+                  round_max_minutes=60, hang_minutes=15, ood_rows=None, val_rows=500,
+                  merge=MergeSettings(enabled=False, top_k=4, etas=(0.5, 0.75, 1.25, 1.5), held_out_share=0.5))
+    settings = dataclasses.replace(settings, **{**values, **overrides})  # fmt: skip
+    clock = VirtualClock(_START)
+    study, deadline = open_study(settings, now=clock.now())
+    backend = SimulatedBackend(settings, clock, 0)
+    return Scheduler(settings, study, deadline, backend, clock, promote=lambda outcome, trial: True)
+
+
+def test_rounds_end_before_the_reserve_and_before_the_merge_stage(tmp_path):
+    """No round runs into the reserve (the deadline minus reserve_minutes), nor, with the merge stage on, into the
+    merge stage's predicted time before it."""
+    from search.settings import MergeSettings
+
+    scheduler = _scheduler(tmp_path)
+    assert scheduler.end_of_stage == scheduler.deadline - 20 * 60.0
+    assert scheduler.end_of_rounds == scheduler.end_of_stage
+    merging = _scheduler(tmp_path / "merge", merge=MergeSettings(enabled=True, top_k=4, etas=(0.5, 1.5),
+                                                                  held_out_share=0.5))  # fmt: skip
+    assert merging.stage_seconds() > 0
+    assert merging.end_of_rounds == merging.end_of_stage - merging.stage_seconds()
+
+
+def test_a_late_last_round_is_killed_before_the_reserve(tmp_path):
+    """A round launched near the end is allotted only the time left, stopped ahead of its allotment's end by its
+    predicted tail, and killed at the latest where the reserve begins (no grace past it)."""
+    scheduler = _scheduler(tmp_path)
+    now = scheduler.end_of_rounds - 30 * 60.0
+    scheduler._launch(0, now)  # round 0, the base, comes first
+    scheduler._launch(1, now)
+    r = scheduler._running[1]
+    assert r.config is not None and r.started == now
+    assert r.end_by == scheduler.end_of_rounds and r.trial.user_attrs["allotted_s"] == 30 * 60.0
+    assert r.kill_at == scheduler.end_of_rounds  # not end_by plus its grace: that is the reserve's time
+    assert now < r.stop_at < r.end_by
+    assert r.trial.user_attrs["predicted_s"] <= 30 * 60.0
+
+
+def test_an_early_round_gets_round_max_and_its_grace(tmp_path):
+    """Far from the end, a round is allotted round_max_minutes and may overrun it by its grace share before a kill."""
+    from search.scheduler import GRACE_SHARE
+
+    scheduler = _scheduler(tmp_path)
+    now = _START + 60.0
+    scheduler._launch(0, now)
+    scheduler._launch(1, now)
+    r = scheduler._running[1]
+    assert r.end_by == now + 60 * 60.0 and r.kill_at == r.end_by + GRACE_SHARE * 60 * 60.0
+    assert r.trial.user_attrs["allotted_s"] == 3600.0 and r.trial.user_attrs["started_at"] == now
+
+
+def test_round_zero_started_near_the_deadline_is_capped_by_it(tmp_path):
+    """Round 0 (the base, the fallback submission) may use the reserve but never runs past the deadline."""
+    scheduler = _scheduler(tmp_path)
+    now = scheduler.deadline - scheduler.duration.eval_seconds() - 1.0
+    scheduler._launch(0, now)
+    r = scheduler._running[0]
+    assert r.config is None and r.trial.user_attrs["recipe"] == "base"
+    assert r.end_by == r.stop_at == r.kill_at == scheduler.deadline
+    assert r.trial.user_attrs["allotted_s"] == round(scheduler.deadline - now, 1)
