@@ -421,3 +421,110 @@ def test_round_zero_started_near_the_deadline_is_capped_by_it(tmp_path):
     assert r.config is None and r.trial.user_attrs["recipe"] == "base"
     assert r.end_by == r.stop_at == r.kill_at == scheduler.deadline
     assert r.trial.user_attrs["allotted_s"] == round(scheduler.deadline - now, 1)
+
+
+# --- search/settings.py and trainer/validation.py: the settings' bounds ------------------------------------------------
+
+
+def _budget(folder: Path, changes: dict) -> Path:
+    """budget.yaml with `changes` at dotted keys ("sampler.seed")."""
+    import yaml
+
+    data = yaml.safe_load((_ROOT / "budget.yaml").read_text())
+    for path, value in changes.items():
+        *parents, last = path.split(".")
+        node = data
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    (folder / "budget.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    return folder / "budget.yaml"
+
+
+_TPE = {"type": "tpe"}
+_HYPERBAND = {"type": "hyperband"}
+_BOUND_CASES = [
+    # (changes, the refusal's text, or None: accepted). Each bound is tried on both sides of its edge.
+    ({"sampler": {**_TPE, "seed": 0}}, None),
+    ({"sampler": {**_TPE, "seed": 2**32 - 1}}, None),
+    ({"sampler": {**_TPE, "seed": -1}}, "sampler.seed: must be an integer in [0, 4294967295], got -1"),
+    ({"sampler": {**_TPE, "seed": 2**32}}, "sampler.seed: must be an integer in [0, 4294967295], got 4294967296"),
+    ({"sampler": {**_TPE, "n_startup_trials": 10**6}}, None),
+    ({"sampler": {**_TPE, "n_startup_trials": 10**6 + 1}}, "sampler.n_startup_trials: must be an integer in [0, 1000000]"),
+    ({"sampler": {**_TPE, "n_ei_candidates": 1}}, None),
+    ({"sampler": {**_TPE, "n_ei_candidates": 0}}, "sampler.n_ei_candidates: must be an integer in [1, 10000], got 0"),
+    ({"sampler": {**_TPE, "n_ei_candidates": 10_001}}, "sampler.n_ei_candidates: must be an integer in [1, 10000]"),
+    ({"sampler": {**_TPE, "multivariate": "yes"}}, "sampler.multivariate: must be true or false, got 'yes'"),
+    ({"sampler": {**_TPE, "multivariate": True, "group": True}}, None),
+    ({"sampler": {"type": "random", "seed": 3}}, None),
+    ({"pruner": {"type": "percentile", "percentile": 100}}, None),
+    ({"pruner": {"type": "percentile", "percentile": 0.0}}, None),
+    ({"pruner": {"type": "percentile", "percentile": 100.5}}, "pruner.percentile: must be in [0, 100], got 100.5"),
+    ({"pruner": {"type": "percentile", "percentile": -0.5}}, "pruner.percentile: must be in [0, 100], got -0.5"),
+    ({"pruner": {"type": "median", "interval_steps": 1, "n_min_trials": 1}}, None),
+    ({"pruner": {"type": "median", "interval_steps": 0}}, "pruner.interval_steps: must be an integer in [1, 1000000]"),
+    ({"pruner": {"type": "median", "n_min_trials": 0}}, "pruner.n_min_trials: must be an integer in [1, 1000000]"),
+    ({"pruner": {"type": "median", "n_warmup_steps": 10**6}}, None),
+    ({"pruner": {**_HYPERBAND, "min_resource": 1, "max_resource": "auto"}}, None),
+    ({"pruner": {**_HYPERBAND, "min_resource": 0}}, "pruner.min_resource: must be an integer in [1, 1000000000], got 0"),
+    ({"pruner": {**_HYPERBAND, "max_resource": 10**9}}, None),
+    ({"pruner": {**_HYPERBAND, "max_resource": 0}}, "pruner.max_resource: must be an integer in [1, 1000000000], got 0"),
+    ({"pruner": {**_HYPERBAND, "max_resource": 10**9 + 1}}, "pruner.max_resource: must be an integer in [1, 1000000000]"),
+    ({"pruner": {**_HYPERBAND, "max_resource": "all"}}, "pruner.max_resource: must be an integer, got 'all'"),
+    ({"pruner": {**_HYPERBAND, "reduction_factor": 2}}, None),
+    ({"pruner": {**_HYPERBAND, "reduction_factor": 100}}, None),
+    ({"pruner": {**_HYPERBAND, "reduction_factor": 1}}, "pruner.reduction_factor: must be an integer in [2, 100], got 1"),
+    ({"pruner": {**_HYPERBAND, "reduction_factor": 101}}, "pruner.reduction_factor: must be an integer in [2, 100]"),
+    ({"pruner": {**_HYPERBAND, "bootstrap_count": -1}}, "pruner.bootstrap_count: must be an integer in [0, 1000000]"),
+    ({"pruner": {**_HYPERBAND, "min_resource": 30, "max_resource": 30}}, None),
+    ({"pruner": {**_HYPERBAND, "min_resource": 31, "max_resource": 30}},
+     "pruner.min_resource: must be <= max_resource (30), got 31: Hyperband would never prune"),
+    ({"pruner": {"type": "none"}}, None),
+    ({"pruner": {"type": "none", "seed": 1}}, "pruner.seed: not an option of NopPruner; options: []"),
+    ({"hours": 168}, None),
+    ({"hours": 168.5}, "hours: must be <= 168 (a week), got 168.5"),
+    ({"hours": 0}, "hours: must be > 0, got 0"),
+    ({"reserve_minutes": 0}, None),
+    ({"reserve_minutes": -1}, "reserve_minutes: must be in [0, 10080], got -1"),
+    ({"hang_minutes": 10080}, None),
+    ({"hang_minutes": 10080.5}, "hang_minutes: must be in (0, 10080], got 10080.5"),
+    ({"hang_minutes": 0}, "hang_minutes: must be in (0, 10080], got 0"),
+    ({"min_format_rate": 100}, None),
+    ({"min_format_rate": 100.1}, "min_format_rate: must be in [0, 100], got 100.1"),
+    ({"ood_rows": None}, None),
+    ({"ood_rows": 1}, None),
+    ({"ood_rows": 0}, "ood_rows: must be an integer >= 1, got 0"),
+    ({"eval_batch_size": 65536}, None),
+    ({"eval_batch_size": 65537}, "eval_batch_size: must be an integer in [1, 65536], got 65537"),
+    ({"val_rows": 0}, None),
+    ({"val_rows": -1}, "val_rows: must be an integer >= 0, got -1"),
+    ({"keep_rounds": True}, "keep_rounds: must be an integer, got True"),
+    ({"gpu_memory_gb": 0}, "gpu_memory_gb: must be in (0, "),
+    ({"merge": "on"}, "merge: must be a mapping of merge stage options, got 'on'"),
+    ({"merge.topk": 2, "merge.zeta": 1}, "merge.topk: unknown key (did you mean 'top_k'?)"),
+    ({"merge": {"enabled": True}}, "merge.top_k: missing (budget.yaml documents every key)"),
+    ({"merge.etas": [0.5] * 9}, "merge.etas: must be a list of at most 8 numbers, got [0.5, 0.5,"),
+    ({"merge.etas": [0.5, 0.5]}, "merge.etas: each eta once, got [0.5, 0.5]"),
+    ({"merge.etas": [4.5]}, "merge.etas[0]: must be in [0, 4.0], got 4.5"),
+    ({"merge.etas": [0.5, -0.5]}, "merge.etas[1]: must be in [0, 4.0], got -0.5"),
+    ({"merge.enabled": "yes"}, "merge.enabled: must be true or false, got 'yes'"),
+    ({"merge.top_k": 17}, "merge.top_k: must be an integer in [1, 16], got 17"),
+    ({"merge.held_out_share": 1}, "merge.held_out_share: must be in (0, 1), got 1"),
+]
+
+
+@pytest.mark.parametrize("changes, refusal", _BOUND_CASES, ids=[f"case{i}" for i in range(len(_BOUND_CASES))])
+def test_each_bound_takes_its_edge_and_refuses_one_past_it(tmp_path, changes, refusal):
+    """A budget value exactly at a bound loads as written; one past it is refused naming the key, the bound and the
+    value (Optuna's constructors check some ranges, not all, and a bad one would fail the search hours later)."""
+    from search.settings import SettingsError, load_settings
+
+    path = _budget(tmp_path, changes)
+    if refusal is None:
+        settings = load_settings(path)
+        for key, value in changes.items():
+            assert getattr(settings, key) == value
+    else:
+        with pytest.raises(SettingsError) as error:
+            load_settings(path)
+        assert refusal in str(error.value)
