@@ -24,6 +24,22 @@ def test_the_messages_carry_the_template_they_are_given():
     assert messages[0]["content"][1] == {"type": "text", "text": "Q: How many apples? A:"}
 
 
+# --- trainer/rewards.py ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reward", ["accuracy", "count_closeness", "brevity"])
+def test_a_reward_refuses_a_batch_whose_columns_do_not_pair_up(reward):
+    """A completion is paid against its own gold count (and its own token ids): a batch whose columns differ in length
+    is refused, never silently paired with a shifted or shortened column."""
+    from trainer import rewards
+
+    completions = ["<answer>3</answer>", "<answer>4</answer>"]
+    with pytest.raises(ValueError):
+        rewards.REWARDS[reward](completions=completions, solution=["3"], completion_ids=[[1]])
+    with pytest.raises(ValueError):
+        rewards.REWARDS[reward](completions=completions[:1], solution=["3", "4"], completion_ids=[[1], [2]])
+
+
 # --- search/folders.py -----------------------------------------------------------------------------------------------
 
 
@@ -499,6 +515,8 @@ _BOUND_CASES = [
     ({"val_rows": 0}, None),
     ({"val_rows": -1}, "val_rows: must be an integer >= 0, got -1"),
     ({"keep_rounds": True}, "keep_rounds: must be an integer, got True"),
+    ({"study_name": "a\u2029b"}, "study_name: must not hold control characters"),  # the paragraph separator
+    ({"study_name": "a\u2028b"}, "study_name: must not hold control characters"),  # the line separator
     ({"gpu_memory_gb": 0}, "gpu_memory_gb: must be in (0, "),
     ({"merge": "on"}, "merge: must be a mapping of merge stage options, got 'on'"),
     ({"merge.topk": 2, "merge.zeta": 1}, "merge.topk: unknown key (did you mean 'top_k'?)"),
@@ -528,3 +546,68 @@ def test_each_bound_takes_its_edge_and_refuses_one_past_it(tmp_path, changes, re
         with pytest.raises(SettingsError) as error:
             load_settings(path)
         assert refusal in str(error.value)
+
+
+def test_a_launched_round_is_stamped_with_its_worker_and_its_folder_and_clears_the_misfit_count(tmp_path):
+    """A round is found again by its worker (an interrupt abandons this process's RUNNING trials, the sweep fails a
+    dead worker's) and by its run folder (pruning, reaping); a round that fits ends a streak of misfits."""
+    from pathlib import Path as _Path
+
+    scheduler = _scheduler(tmp_path)
+    now = _START + 60.0
+    scheduler._launch(0, now)
+    scheduler._misfits = 5
+    scheduler._launch(1, now)
+    for r in scheduler._running.values():
+        assert r.trial.user_attrs["worker"] == scheduler.worker
+        expected = _Path(scheduler.settings.rounds_dir) / f"round-{r.trial.number:04d}"
+        assert r.trial.user_attrs["run_dir"] == str(expected)
+    assert scheduler._running[1].config.output_dir == str(scheduler._running[1].trial.user_attrs["run_dir"])
+    assert scheduler._misfits == 0
+
+
+class _Unfit:
+    fits = False
+
+    def reason(self) -> str:
+        return "does not fit: predicted 99.0 GB of 70.0 GB"
+
+    def attrs(self) -> dict:
+        return {"predicted_peak_gb": 99.0, "usable_gb": 70.0}
+
+
+def test_a_round_too_big_for_its_card_is_not_launched_and_told_pruned(tmp_path, monkeypatch):
+    """A configuration no memory plan fits is a bad point for the sampler (PRUNED, with why), not a crash."""
+    import io as _io
+    from contextlib import redirect_stdout
+
+    from optuna.trial import TrialState
+
+    scheduler = _scheduler(tmp_path)
+    now = _START + 60.0
+    scheduler._launch(0, now)
+    monkeypatch.setattr(scheduler.backend, "fit", lambda config, gpus: _Unfit())
+    with redirect_stdout(_io.StringIO()):
+        scheduler._launch(1, now)
+    assert 1 not in scheduler._running and scheduler._misfits == 1
+    [refused] = [t for t in scheduler.study.get_trials() if t.state == TrialState.PRUNED]
+    assert refused.user_attrs["reason"] == "does not fit: predicted 99.0 GB of 70.0 GB"
+    assert refused.user_attrs["predicted_peak_gb"] == 99.0 and refused.value is None
+
+
+def test_a_best_round_starts_from_the_base_when_no_round_beats_it(tmp_path):
+    """init: best, with only the base scored (or every round below it): the round starts from the base model."""
+    from search import scheduler as scheduler_module
+
+    scheduler = _scheduler(tmp_path)
+    study = scheduler.study
+    base = study.ask()
+    base.set_user_attr("total_steps", 0)
+    study.tell(base, 50.0)
+    below = study.ask()
+    for key, value in {"recipe": "sampled", "format_rate": 99.0, "merged_dir": "/runs/below/merged"}.items():
+        below.set_user_attr(key, value)
+    study.tell(below, 40.0)
+    scheduler.backend.remember("/runs/below/merged", 40.0, 100, True)
+    expected = scheduler_module._Parent(base.number, scheduler.settings.model_path, 0)
+    assert scheduler._parent("best") == expected
