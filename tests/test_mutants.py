@@ -54,6 +54,7 @@ def test_a_studys_folder_name_is_stable():
     assert folders.study_folder("My Study/2") == f"My-Study-2-{digest('My Study/2')}"
     assert folders.study_folder(".hidden:") == f"hidden-{digest('.hidden:')}"
     assert folders.study_folder("..") == f"study-{digest('..')}"
+    assert folders.study_folder("X:X") == f"X-X-{digest('X:X')}"  # only dots and dashes are stripped from the ends
     assert folders.study_folder("ÄÖ") == f"study-{digest('ÄÖ')}"
     long = "A" * 70 + "/"
     assert folders.study_folder(long) == f"{'A' * 60}-{digest(long)}"
@@ -190,7 +191,7 @@ def _checked(monkeypatch, checker: _Checker, **kwargs) -> dict:
 
 def _outcome(rows: int, differ: int, allowed: int) -> str:
     marks = [100.0, 101.5, 104.0]
-    return "log line\n" + json.dumps({"rows": rows, "differ": differ, "allowed": allowed, "differing_rows": list(range(differ)),
+    return "log line\nanother\n" + json.dumps({"rows": rows, "differ": differ, "allowed": allowed, "differing_rows": list(range(differ)),
                                       "device": "cpu", "marks": marks}) + "\n"  # fmt: skip
 
 
@@ -233,6 +234,18 @@ def test_a_checker_that_fails_says_why_in_one_line(monkeypatch):
     with pytest.raises(VerificationError) as error:
         _checked(monkeypatch, _Checker("", "", returncode=-11))
     assert str(error.value) == "model-dir failed the check: exit code -11"
+
+
+def test_a_load_only_check_sends_no_data(monkeypatch):
+    """Without recorded answers the check only loads the model: the request names no split."""
+    from search import verification
+
+    checker = _Checker(_outcome(rows=0, differ=0, allowed=0))
+    monkeypatch.setattr(verification, "_take_ready", lambda: None)
+    monkeypatch.setattr(verification, "_start_checker", lambda: checker)
+    monkeypatch.setattr(verification, "_keep_ready", False)
+    verification.verify("model-dir")
+    assert checker.request["data"] is None and checker.request["expected"] is None
 
 
 def test_the_answers_compared_are_the_first_fifty_rows_and_two_may_differ():
@@ -564,6 +577,19 @@ def test_a_launched_round_is_stamped_with_its_worker_and_its_folder_and_clears_t
         assert r.trial.user_attrs["run_dir"] == str(expected)
     assert scheduler._running[1].config.output_dir == str(scheduler._running[1].trial.user_attrs["run_dir"])
     assert scheduler._misfits == 0
+    assert scheduler._running[1].trial.user_attrs["init"] in ("base", "best")  # the leaderboard's "from" column
+
+
+def test_round_zero_started_early_gets_four_evaluations_or_round_min(tmp_path):
+    """Round 0's allotment: four times its predicted evaluation, and never less than round_min_minutes."""
+    from search.scheduler import BASE_ALLOTMENT_FACTOR
+
+    scheduler = _scheduler(tmp_path)
+    now = _START + 60.0
+    scheduler._launch(0, now)
+    r = scheduler._running[0]
+    assert r.end_by - now == max(BASE_ALLOTMENT_FACTOR * scheduler.duration.eval_seconds(), 20 * 60.0)
+    assert r.end_by - now == 20 * 60.0  # here the prediction is under 5 minutes: round_min decides
 
 
 class _Unfit:
