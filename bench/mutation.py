@@ -57,7 +57,7 @@ TARGETS: dict[str, Target] = {
     "protocol": Target("evaluator/protocol.py", ("tests/test_protocol.py",)),
     "rewards": Target("trainer/rewards.py", ("tests/test_rewards.py",), fresh_collection=True, sample=40),
     "promotion": Target(
-        "search/promotion.py",
+        "search/promotion/submission.py",
         ("tests/test_promotion.py", "tests/test_kept_promises.py", "tests/test_folders.py"),
         # the folder promises: what is swapped in, kept aside, kept, restored, pruned or deleted
         functions=("promote", "promoted", "recover_submission", "_recover", "restore_previous", "prune_run_dirs",
@@ -73,7 +73,7 @@ TARGETS: dict[str, Target] = {
     ),
     "folders": Target("search/folders.py", ("tests/test_folders.py", "tests/test_settings.py")),
     "verification": Target(
-        "search/verification.py",
+        "search/promotion/verification.py",
         ("tests/test_verification.py",),
         # the answers check as the search sees it; `_check` runs in the checker subprocess, out of mutmut's reach
         functions=("expected_answers", "allowed_disagreements", "verify"),
@@ -103,28 +103,33 @@ TARGETS: dict[str, Target] = {
                                     "storage_unreachable_url")),
         sample=60,
     ),
-    # The checks the settings' bounds call (trainer/validation.py; common/validation.py after the refactoring)
+    # The checks the settings' bounds call
     "validation": Target(
-        "trainer/validation.py",
+        "common/validation.py",
         ("tests/test_settings.py", "tests/test_bad_input.py"),
         functions=("is_number", "number", "integer", "boolean", "text", "one_of", "mapping", "_bounds"),
         deselect=(),  # filled below: the settings target's
         sample=40,
     ),
+    # The scheduler's time and parent logic: its launches and polls, the allotment of a round's time, the parent.
+    # (end_of_stage and end_of_rounds are properties, which mutmut does not mutate; tests/test_mutants.py tests them.)
     "scheduler": Target(
         "search/scheduler.py",
         ("tests/test_scheduler.py",),
-        # the time and parent logic (end_of_stage and end_of_rounds are properties, which mutmut does not mutate:
-        # their patterns match nothing; tests/test_mutants.py tests them directly)
-        functions=("Scheduler._launch", "Scheduler._launch_base", "Scheduler._parent", "Scheduler._misfit",
-                   "Scheduler._poll", "Scheduler.end_of_stage", "Scheduler.end_of_rounds"),
+        functions=("Scheduler._launch", "Scheduler._launch_base", "Scheduler._misfit", "Scheduler._poll"),
         sample=30,  # a surviving mutant runs the whole file (~35 s alone, more under load)
     ),
+    "allotment": Target("search/allotment.py", ("tests/test_scheduler.py",), sample=20),
+    "lineage": Target("search/lineage.py", ("tests/test_scheduler.py", "tests/test_merge_search.py"),
+                      functions=("parent_of", "promotable", "base_waiting"), sample=20),
+    "rounds": Target("search/rounds.py", ("tests/test_scheduler.py",),
+                     functions=("RunningRound.overdue", "RunningRound.due_to_stop", "RunningRound.outcome"),
+                     sample=20),
 }
 
 TARGETS["validation"] = dataclasses.replace(TARGETS["validation"], deselect=TARGETS["settings"].deselect)
 
-SOURCE_PATHS = ["evaluator", "trainer", "search", "synthetic", "run_search.py"]  # importable from mutants/
+SOURCE_PATHS = ["common", "evaluator", "trainer", "search", "synthetic", "run_search.py"]  # importable from mutants/
 ALSO_COPY = ["bench", "docs", "budget.yaml", "demo_budget.yaml", "README.md"]  # what tests read besides
 
 _GENERATE = """

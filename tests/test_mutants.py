@@ -181,7 +181,7 @@ class _Checker:
 
 
 def _checked(monkeypatch, checker: _Checker, **kwargs) -> dict:
-    from search import verification
+    from search.promotion import verification
 
     monkeypatch.setattr(verification, "_take_ready", lambda: None)
     monkeypatch.setattr(verification, "_start_checker", lambda: checker)
@@ -191,13 +191,14 @@ def _checked(monkeypatch, checker: _Checker, **kwargs) -> dict:
 
 def _outcome(rows: int, differ: int, allowed: int) -> str:
     marks = [100.0, 101.5, 104.0]
-    return "log line\nanother\n" + json.dumps({"rows": rows, "differ": differ, "allowed": allowed, "differing_rows": list(range(differ)),
-                                      "device": "cpu", "marks": marks}) + "\n"  # fmt: skip
+    outcome = {"rows": rows, "differ": differ, "allowed": allowed, "differing_rows": list(range(differ)),
+               "device": "cpu", "marks": marks}  # fmt: skip
+    return "log line\nanother\n" + json.dumps(outcome) + "\n"
 
 
 def test_a_model_within_the_tolerance_passes_and_its_check_is_timed(monkeypatch):
     """As many differing rows as allowed pass; the outcome gives every part of the check's time, in order."""
-    from search import verification
+    from search.promotion import verification
 
     checker = _Checker(_outcome(rows=50, differ=2, allowed=2))
     outcome = _checked(monkeypatch, checker, gpus=[2, 5], batch_size=8, max_new_tokens=32)
@@ -213,7 +214,7 @@ def test_a_model_within_the_tolerance_passes_and_its_check_is_timed(monkeypatch)
 def test_a_model_past_the_tolerance_fails_its_check_naming_the_rows(monkeypatch):
     """One differing row more than allowed: the folder is not the model that was scored, and the error says which
     rows differ and how many may."""
-    from search.verification import VerificationError
+    from search.promotion.verification import VerificationError
 
     with pytest.raises(VerificationError) as error:
         _checked(monkeypatch, _Checker(_outcome(rows=50, differ=12, allowed=2)))
@@ -225,7 +226,7 @@ def test_a_model_past_the_tolerance_fails_its_check_naming_the_rows(monkeypatch)
 
 def test_a_checker_that_fails_says_why_in_one_line(monkeypatch):
     """The checker's last words are the error; a silent crash still names its exit code."""
-    from search.verification import VerificationError
+    from search.promotion.verification import VerificationError
 
     checker = _Checker("", "Traceback ...\n  line\ndoes not load: OSError: bad file\n\n", returncode=1)
     with pytest.raises(VerificationError) as error:
@@ -238,7 +239,7 @@ def test_a_checker_that_fails_says_why_in_one_line(monkeypatch):
 
 def test_a_load_only_check_sends_no_data(monkeypatch):
     """Without recorded answers the check only loads the model: the request names no split."""
-    from search import verification
+    from search.promotion import verification
 
     checker = _Checker(_outcome(rows=0, differ=0, allowed=0))
     monkeypatch.setattr(verification, "_take_ready", lambda: None)
@@ -250,7 +251,7 @@ def test_a_load_only_check_sends_no_data(monkeypatch):
 
 def test_the_answers_compared_are_the_first_fifty_rows_and_two_may_differ():
     """The check regenerates the first CHECK_ROWS recorded rows and allows two differences in fifty."""
-    from search import verification
+    from search.promotion import verification
 
     per_row = {"index": list(range(80)), "answer": list(range(100, 180)), "gold": [0] * 80}
     assert verification.expected_answers(per_row) == {"index": list(range(50)), "answer": list(range(100, 150))}
@@ -269,7 +270,7 @@ def _model_folder(folder: Path, tag: str) -> Path:
 
 
 def _promoted_into(submission: Path, merged: Path, accuracy: float, **kwargs) -> bool:
-    from search.promotion import promote
+    from search.promotion.submission import promote
 
     return promote(merged, submission, min_format_rate=90.0, format_rate=97.5, accuracy=accuracy, trial=7,
                    check=lambda path: None, **kwargs)  # fmt: skip
@@ -285,7 +286,7 @@ def test_files_found_in_the_submission_are_kept_beside_it_by_default(tmp_path):
 
 def test_the_promoted_marker_records_what_was_promoted(tmp_path):
     """PROMOTED.json says which trial, its accuracy and format rate, and where it came from."""
-    from search.promotion import promoted
+    from search.promotion.submission import promoted
 
     merged = _model_folder(tmp_path / "a", "a")
     assert _promoted_into(tmp_path / "submission", merged, 55.0, details={"check_rows": {"index": [1]}})
@@ -296,7 +297,7 @@ def test_the_promoted_marker_records_what_was_promoted(tmp_path):
 
 def test_a_submission_without_a_promoted_model_fails_the_final_check(tmp_path):
     """The reserve's check never passes a folder the search did not promote into (nothing there for the verifier)."""
-    from search.promotion import final_check
+    from search.promotion.submission import final_check
 
     _model_folder(tmp_path / "submission", "users")
     result = final_check(tmp_path / "submission", "ood_val", check=lambda path, **kwargs: None)
@@ -306,7 +307,7 @@ def test_a_submission_without_a_promoted_model_fails_the_final_check(tmp_path):
 def test_the_final_check_says_what_passed_and_which_trial_the_submission_holds(tmp_path):
     """The summary's line and the trial the submission holds, with and without recorded answers, and when a failed
     check has nothing to restore."""
-    from search.promotion import PromotionError, final_check
+    from search.promotion.submission import PromotionError, final_check
 
     submission = tmp_path / "submission"
     assert _promoted_into(submission, _model_folder(tmp_path / "a", "a"), 55.0)
@@ -324,7 +325,7 @@ def test_the_final_check_says_what_passed_and_which_trial_the_submission_holds(t
 def test_a_previous_submission_without_an_accuracy_is_still_restored(tmp_path):
     """A previous PROMOTED.json without an accuracy (written by hand, or by an older version) does not make the
     final check raise: the line says nan."""
-    from search.promotion import PromotionError, final_check
+    from search.promotion.submission import PromotionError, final_check
 
     submission = tmp_path / "submission"
     assert _promoted_into(submission, _model_folder(tmp_path / "a", "a"), 55.0)
@@ -343,7 +344,8 @@ def test_a_previous_submission_without_an_accuracy_is_still_restored(tmp_path):
 
 def test_the_submission_check_passes_its_data_and_options_to_the_verifier(monkeypatch):
     """check_submission checks the answers on the split it is given, with every option of the caller."""
-    from search import promotion, verification
+    from search.promotion import submission as promotion
+    from search.promotion import verification
 
     seen = {}
     monkeypatch.setattr(verification, "verify", lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs) or {})
@@ -357,7 +359,7 @@ def test_every_ingredient_of_a_running_merge_keeps_its_weights(tmp_path):
     import optuna
     from optuna.trial import create_trial
 
-    from search.promotion import prune_run_dirs
+    from search.promotion.submission import prune_run_dirs
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize")
@@ -381,10 +383,11 @@ def _scheduler(tmp_path: Path, **overrides):
 
     import optuna
 
-    from search.clock import VirtualClock
+    from search.backends.clock import VirtualClock
+    from search.promotion import RecordingPromoter
     from search.scheduler import Scheduler
     from search.settings import MergeSettings, load_settings
-    from search.simulated_backend import SimulatedBackend
+    from search.backends.simulated import SimulatedBackend
     from search.study import open_study
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -396,7 +399,7 @@ def _scheduler(tmp_path: Path, **overrides):
     clock = VirtualClock(_START)
     study, deadline = open_study(settings, now=clock.now())
     backend = SimulatedBackend(settings, clock, 0)
-    return Scheduler(settings, study, deadline, backend, clock, promote=lambda outcome, trial: True)
+    return Scheduler(settings, study, deadline, backend, clock, promoter=RecordingPromoter())
 
 
 def test_rounds_end_before_the_reserve_and_before_the_merge_stage(tmp_path):
@@ -409,8 +412,9 @@ def test_rounds_end_before_the_reserve_and_before_the_merge_stage(tmp_path):
     assert scheduler.end_of_rounds == scheduler.end_of_stage
     merging = _scheduler(tmp_path / "merge", merge=MergeSettings(enabled=True, top_k=4, etas=(0.5, 1.5),
                                                                   held_out_share=0.5))  # fmt: skip
-    assert merging.stage_seconds() > 0
-    assert merging.end_of_rounds == merging.end_of_stage - merging.stage_seconds()
+    stage_seconds = merging.stage.seconds(merging.duration, len(merging.settings.slots))
+    assert stage_seconds > 0
+    assert merging.end_of_rounds == merging.end_of_stage - stage_seconds
 
 
 def test_a_late_last_round_is_killed_before_the_reserve(tmp_path):
@@ -422,22 +426,22 @@ def test_a_late_last_round_is_killed_before_the_reserve(tmp_path):
     scheduler._launch(1, now)
     r = scheduler._running[1]
     assert r.config is not None and r.started == now
-    assert r.end_by == scheduler.end_of_rounds and r.trial.user_attrs["allotted_s"] == 30 * 60.0
-    assert r.kill_at == scheduler.end_of_rounds  # not end_by plus its grace: that is the reserve's time
-    assert now < r.stop_at < r.end_by
+    assert r.allotment.end_by == scheduler.end_of_rounds and r.trial.user_attrs["allotted_s"] == 30 * 60.0
+    assert r.allotment.kill_at == scheduler.end_of_rounds  # not end_by plus its grace: that is the reserve's time
+    assert now < r.allotment.stop_at < r.allotment.end_by
     assert r.trial.user_attrs["predicted_s"] <= 30 * 60.0
 
 
 def test_an_early_round_gets_round_max_and_its_grace(tmp_path):
     """Far from the end, a round is allotted round_max_minutes and may overrun it by its grace share before a kill."""
-    from search.scheduler import GRACE_SHARE
+    from search.allotment import GRACE_SHARE
 
     scheduler = _scheduler(tmp_path)
     now = _START + 60.0
     scheduler._launch(0, now)
     scheduler._launch(1, now)
     r = scheduler._running[1]
-    assert r.end_by == now + 60 * 60.0 and r.kill_at == r.end_by + GRACE_SHARE * 60 * 60.0
+    assert r.allotment.end_by == now + 60 * 60.0 and r.allotment.kill_at == r.allotment.end_by + GRACE_SHARE * 60 * 60.0
     assert r.trial.user_attrs["allotted_s"] == 3600.0 and r.trial.user_attrs["started_at"] == now
 
 
@@ -448,11 +452,11 @@ def test_round_zero_started_near_the_deadline_is_capped_by_it(tmp_path):
     scheduler._launch(0, now)
     r = scheduler._running[0]
     assert r.config is None and r.trial.user_attrs["recipe"] == "base"
-    assert r.end_by == r.stop_at == r.kill_at == scheduler.deadline
+    assert r.allotment.end_by == r.allotment.stop_at == r.allotment.kill_at == scheduler.deadline
     assert r.trial.user_attrs["allotted_s"] == round(scheduler.deadline - now, 1)
 
 
-# --- search/settings.py and trainer/validation.py: the settings' bounds ------------------------------------------------
+# --- search/settings.py and common/validation.py: the settings' bounds ----------------------------------------------
 
 
 def _budget(folder: Path, changes: dict) -> Path:
@@ -479,7 +483,7 @@ _BOUND_CASES = [
     ({"sampler": {**_TPE, "seed": -1}}, "sampler.seed: must be an integer in [0, 4294967295], got -1"),
     ({"sampler": {**_TPE, "seed": 2**32}}, "sampler.seed: must be an integer in [0, 4294967295], got 4294967296"),
     ({"sampler": {**_TPE, "n_startup_trials": 10**6}}, None),
-    ({"sampler": {**_TPE, "n_startup_trials": 10**6 + 1}}, "sampler.n_startup_trials: must be an integer in [0, 1000000]"),
+    ({"sampler": {**_TPE, "n_startup_trials": 10**6 + 1}}, "sampler.n_startup_trials: must be an integer in [0, 1000000]"),  # noqa: E501
     ({"sampler": {**_TPE, "n_ei_candidates": 1}}, None),
     ({"sampler": {**_TPE, "n_ei_candidates": 0}}, "sampler.n_ei_candidates: must be an integer in [1, 10000], got 0"),
     ({"sampler": {**_TPE, "n_ei_candidates": 10_001}}, "sampler.n_ei_candidates: must be an integer in [1, 10000]"),
@@ -495,14 +499,14 @@ _BOUND_CASES = [
     ({"pruner": {"type": "median", "n_min_trials": 0}}, "pruner.n_min_trials: must be an integer in [1, 1000000]"),
     ({"pruner": {"type": "median", "n_warmup_steps": 10**6}}, None),
     ({"pruner": {**_HYPERBAND, "min_resource": 1, "max_resource": "auto"}}, None),
-    ({"pruner": {**_HYPERBAND, "min_resource": 0}}, "pruner.min_resource: must be an integer in [1, 1000000000], got 0"),
+    ({"pruner": {**_HYPERBAND, "min_resource": 0}}, "pruner.min_resource: must be an integer in [1, 1000000000], got 0"),  # noqa: E501
     ({"pruner": {**_HYPERBAND, "max_resource": 10**9}}, None),
-    ({"pruner": {**_HYPERBAND, "max_resource": 0}}, "pruner.max_resource: must be an integer in [1, 1000000000], got 0"),
-    ({"pruner": {**_HYPERBAND, "max_resource": 10**9 + 1}}, "pruner.max_resource: must be an integer in [1, 1000000000]"),
+    ({"pruner": {**_HYPERBAND, "max_resource": 0}}, "pruner.max_resource: must be an integer in [1, 1000000000], got 0"),  # noqa: E501
+    ({"pruner": {**_HYPERBAND, "max_resource": 10**9 + 1}}, "pruner.max_resource: must be an integer in [1, 1000000000]"),  # noqa: E501
     ({"pruner": {**_HYPERBAND, "max_resource": "all"}}, "pruner.max_resource: must be an integer, got 'all'"),
     ({"pruner": {**_HYPERBAND, "reduction_factor": 2}}, None),
     ({"pruner": {**_HYPERBAND, "reduction_factor": 100}}, None),
-    ({"pruner": {**_HYPERBAND, "reduction_factor": 1}}, "pruner.reduction_factor: must be an integer in [2, 100], got 1"),
+    ({"pruner": {**_HYPERBAND, "reduction_factor": 1}}, "pruner.reduction_factor: must be an integer in [2, 100], got 1"),  # noqa: E501
     ({"pruner": {**_HYPERBAND, "reduction_factor": 101}}, "pruner.reduction_factor: must be an integer in [2, 100]"),
     ({"pruner": {**_HYPERBAND, "bootstrap_count": -1}}, "pruner.bootstrap_count: must be an integer in [0, 1000000]"),
     ({"pruner": {**_HYPERBAND, "min_resource": 30, "max_resource": 30}}, None),
@@ -572,7 +576,7 @@ def test_a_launched_round_is_stamped_with_its_worker_and_its_folder_and_clears_t
     scheduler._misfits = 5
     scheduler._launch(1, now)
     for r in scheduler._running.values():
-        assert r.trial.user_attrs["worker"] == scheduler.worker
+        assert r.trial.user_attrs["worker"] == scheduler.workers.id
         expected = _Path(scheduler.settings.rounds_dir) / f"round-{r.trial.number:04d}"
         assert r.trial.user_attrs["run_dir"] == str(expected)
     assert scheduler._running[1].config.output_dir == str(scheduler._running[1].trial.user_attrs["run_dir"])
@@ -582,14 +586,14 @@ def test_a_launched_round_is_stamped_with_its_worker_and_its_folder_and_clears_t
 
 def test_round_zero_started_early_gets_four_evaluations_or_round_min(tmp_path):
     """Round 0's allotment: four times its predicted evaluation, and never less than round_min_minutes."""
-    from search.scheduler import BASE_ALLOTMENT_FACTOR
+    from search.allotment import BASE_ALLOTMENT_FACTOR
 
     scheduler = _scheduler(tmp_path)
     now = _START + 60.0
     scheduler._launch(0, now)
     r = scheduler._running[0]
-    assert r.end_by - now == max(BASE_ALLOTMENT_FACTOR * scheduler.duration.eval_seconds(), 20 * 60.0)
-    assert r.end_by - now == 20 * 60.0  # here the prediction is under 5 minutes: round_min decides
+    assert r.allotment.end_by - now == max(BASE_ALLOTMENT_FACTOR * scheduler.duration.eval_seconds(), 20 * 60.0)
+    assert r.allotment.end_by - now == 20 * 60.0  # here the prediction is under 5 minutes: round_min decides
 
 
 class _Unfit:
@@ -623,7 +627,7 @@ def test_a_round_too_big_for_its_card_is_not_launched_and_told_pruned(tmp_path, 
 
 def test_a_best_round_starts_from_the_base_when_no_round_beats_it(tmp_path):
     """init: best, with only the base scored (or every round below it): the round starts from the base model."""
-    from search import scheduler as scheduler_module
+    from search.lineage import Parent
 
     scheduler = _scheduler(tmp_path)
     study = scheduler.study
@@ -635,5 +639,5 @@ def test_a_best_round_starts_from_the_base_when_no_round_beats_it(tmp_path):
         below.set_user_attr(key, value)
     study.tell(below, 40.0)
     scheduler.backend.remember("/runs/below/merged", 40.0, 100, True)
-    expected = scheduler_module._Parent(base.number, scheduler.settings.model_path, 0)
-    assert scheduler._parent("best") == expected
+    expected = Parent(base.number, scheduler.settings.model_path, 0)
+    assert scheduler.parent_of("best") == expected
