@@ -122,7 +122,7 @@ def test_the_check_runs_offline_on_the_gpus_it_is_given(monkeypatch, tiny_model_
         verify(tiny_model_dir, gpus=[1, 3])
     assert seen["request"]["cuda_visible_devices"] == "1,3" and seen["HF_HUB_OFFLINE"] == "1"
     assert seen["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"  # so that the imports before the request leave CUDA alone
-    assert str(Path(verification.__file__).resolve().parents[1]) in seen["PYTHONPATH"]
+    assert str(Path(verification.__file__).resolve().parents[2]) in seen["PYTHONPATH"]  # the project's root
 
 
 def test_a_checker_started_ahead_serves_the_next_check_and_another_takes_its_place(tiny_model_dir, tiny_split_dir,
@@ -141,11 +141,11 @@ def test_a_checker_started_ahead_serves_the_next_check_and_another_takes_its_pla
 
 
 def test_a_waiting_checker_ends_with_the_search_that_started_it(tmp_path):
-    script = ("from search import verification\n"
+    script = ("from search.promotion import verification\n"
               "verification.keep_a_checker_ready()\n"
               "print(verification._ready.pid, flush=True)\n"
               "import os; os._exit(0)  # the search killed: no teardown of its own\n")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", script], cwd=Path(verification.__file__).resolve().parents[1],
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(verification.__file__).resolve().parents[2],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
     pid = int(done.stdout.strip())
