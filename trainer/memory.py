@@ -42,13 +42,13 @@ CHECKPOINTED_BYTES = 9.2
 PROMPT_TEXT_TOKENS = 64  # the chat template and question around the image (58 for the synthetic prompts)
 IMAGE_PIXELS_PER_TOKEN = 28 * 28  # Qwen2-VL: 14-pixel patches merged 2 x 2
 # The most tokens a training pass may hold: twice the largest pass the per-token coefficients were fitted on. Past it
-# the estimate runs low (a pass of 13,312 tokens held at least 1.7 times its estimate), so larger passes are split.
+# the estimate runs low, so larger passes are split.
 MAX_PASS_TOKENS = 8000
 # Bytes per completion token per vocabulary entry held while a generation batch is scored (its logits for the old and
 # reference log-probs, whichever micro-batches the training step is split into).
 LOGIT_BYTES = 5.4
-# Of the card, for the estimate: the rest is for the CUDA context, the allocator's cached blocks (3-5 GB at a 48 GB
-# cap) and the estimate's error.
+# Of the card, for the estimate: the rest is for the CUDA context, the allocator's cached blocks and the estimate's
+# error.
 HEADROOM = 0.85
 GiB = 2**30
 
