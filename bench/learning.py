@@ -281,7 +281,8 @@ def format_result(result: dict[str, Any]) -> str:
     r = result["round"]
     lines = [f"teach seed {result['seed']}, grpo seed {r['seed']}: {r['steps']} steps x {r['prompts_per_step']} "
              f"prompts x {r['num_generations']} generations, lr {r['learning_rate']:g}, lora rank {r['lora_rank']}, "
-             f"temperature {r['temperature']:g}, kl {r['beta']:g}, {r['loss_type']}, {r['phrasing']} phrasing, rewards "
+             f"temperature {r['temperature']:g}, warmup {r.get('warmup_ratio', 0):g}, kl {r['beta']:g}, {r['loss_type']}, "
+             f"{r['phrasing']} phrasing, rewards "
              f"{dict(r['reward_weights'])}; s/step " +
              ", ".join(f"{arm} {s:.1f}" for arm, s in result["step_seconds"].items())]
     for arm, by_kind in result["arms"].items():

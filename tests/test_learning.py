@@ -8,15 +8,16 @@ a warmup over its first tenth (`learning_round`: LoRA 16, lr 2e-3, 40 steps of 8
 on blanked ones, each model scored greedily as the verifier scores on the same 200 rows of each held-out split.
 
 One round's outcome depends on the machine: a CPU run repeats exactly on one machine, and another CPU samples other
-completions. So the margins hold across round seeds, not for one lucky
-trajectory, and they are checked on both held-out splits' 400 rows together, where one round's gain is steadier
-than on either split. The runs they come from: bench/results/2026-12-07-cpu-learning-seeds.md (without the warmup,
-the round lost its effect on one machine and kept it on another).
+completions. So the margins hold across round seeds, not for one lucky trajectory, and they are checked on both
+held-out splits' 400 rows together, where one round's gain is steadier than on either split. The runs they come
+from: bench/results/2026-12-07-cpu-learning-seeds.md (without the warmup, round seed 0 gained nothing on one machine
+and +23.0 / +16.0 on another).
 
 Margins: the image round's gain on the held-out rows must reach MIN_GAIN with its paired 95% interval above 0, the
 blank round's stay at or below MAX_BLANK_GAIN, and the image round beat it by MIN_GAP. Noise is the round seed
-(above) and the paired interval (half width ~5 points at n 400); a round without the image has gained +0.0 in every
-blank run so far.
+(above) and the paired interval (half width ~5 points at n 400). With this round, round seeds 0-5 gained +5.5 to
++22.8 (the smallest, seed 5, with its interval from +1.4), seed 0 +15.2; a round without the image has gained +0.0 in
+every blank run so far. So a round that learns nothing, or learns as much from blank images, fails.
 
 What this does not show: that a round improves every taught model. DEMO_RECIPE taught with seeds 1 and 2 (H200)
 starts far higher and one round barely moves it (bench/learning.py); the test pins teach seed 0.
@@ -28,9 +29,9 @@ import pytest
 
 N_EVAL = 200  # rows scored per held-out split
 N_TRAIN = 256  # GRPO train rows (scenes the SFT never saw)
-MIN_GAIN = 5.0  # points: the image round's gain on the held-out rows reaches this, its 95% interval above 0
+MIN_GAIN = 3.0  # points: the image round's gain on the held-out rows reaches this, its 95% interval above 0
 MAX_BLANK_GAIN = 3.0  # points: the blank round's gain on the held-out rows stays at or below this
-MIN_GAP = 5.0  # points: the image round's gain minus the blank round's, on the held-out rows
+MIN_GAP = 3.0  # points: the image round's gain minus the blank round's, on the held-out rows
 
 
 def learning_round():
