@@ -584,6 +584,40 @@ def test_a_launched_round_is_stamped_with_its_worker_and_its_folder_and_clears_t
     assert scheduler._running[1].trial.user_attrs["init"] in ("base", "best")  # the leaderboard's "from" column
 
 
+def test_a_launched_round_records_its_parent_and_runs_on_its_slots_gpus(tmp_path, capsys):
+    """What the dashboard and the status line show of a running round: the parent it continues (its trial and its
+    steps from the base), and the GPUs of its slot, round 0 included."""
+    scheduler = _scheduler(tmp_path)
+    now = _START + 60.0
+    scheduler._launch(0, now)  # round 0 (the base) comes first
+    scheduler._launch(1, now)
+    base, trained = scheduler._running[0], scheduler._running[1]
+    assert (base.gpus, trained.gpus) == (scheduler._slots[0], scheduler._slots[1]) == ([0], [1])
+    assert f"round {base.trial.number} starts on gpu 0: scoring the base model" in capsys.readouterr().out
+    parent = scheduler.parent_of(trained.trial.user_attrs["init"])
+    assert trained.trial.user_attrs["parent"] == parent.trial
+    assert trained.trial.user_attrs["parent_total_steps"] == parent.total_steps == 0  # nothing trained yet
+
+
+def test_a_trial_asked_after_another_worker_took_round_zero_fails_uncounted_with_why(tmp_path, monkeypatch):
+    """No time for a round, and round 0 was queued but taken by another worker before this one asked: the trial it
+    got is failed with the reason (not counted towards the failures that stop a search) and no more rounds start."""
+    from optuna.trial import TrialState
+
+    from search import lineage
+
+    scheduler = _scheduler(tmp_path)
+    scheduler._base_due = False
+    taken = scheduler.study.ask()  # another worker takes the queued round 0
+    monkeypatch.setattr(lineage, "base_waiting", lambda study: True)  # as this worker saw the queue a moment before
+    scheduler._launch(0, scheduler.end_of_rounds - 60.0)  # a minute left: under round_min_minutes
+    asked = [t for t in scheduler.study.get_trials(deepcopy=False) if t.state != TrialState.WAITING]  # warm starts
+    (trial,) = [t for t in asked if t.number != taken.number]
+    assert trial.state == TrialState.FAIL and trial.user_attrs["reason"] == "no time left for a useful round"
+    assert scheduler._failures == 0 and scheduler._closed.startswith("no time left for a useful round")
+    assert not scheduler._running
+
+
 def test_round_zero_started_early_gets_four_evaluations_or_round_min(tmp_path):
     """Round 0's allotment: four times its predicted evaluation, and never less than round_min_minutes."""
     from search.allotment import BASE_ALLOTMENT_FACTOR
