@@ -675,3 +675,14 @@ def test_a_best_round_starts_from_the_base_when_no_round_beats_it(tmp_path):
     scheduler.backend.remember("/runs/below/merged", 40.0, 100, True)
     expected = Parent(base.number, scheduler.settings.model_path, 0)
     assert scheduler.parent_of("best") == expected
+
+
+def test_a_round_without_a_recorded_format_rate_is_not_promotable():
+    """A round whose format rate was never recorded (its scoring did not finish writing) is neither handed in nor
+    continued: an unknown format rate counts as 0, not as clean."""
+    from search.lineage import promotable
+
+    here = lambda path: True  # noqa: E731
+    assert promotable({"merged_dir": "m", "format_rate": 0.95}, 0.9, here)
+    assert not promotable({"merged_dir": "m"}, 0.9, here)
+    assert not promotable({"merged_dir": "m", "format_rate": None}, 0.9, here)
