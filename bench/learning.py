@@ -252,21 +252,21 @@ def experiment(setup: Setup, recipe: RoundRecipe, *, controls=CONTROLS, kinds=HE
         log(f"round {arm} ({recipe.tag}): {step_seconds[arm]:.1f} s/step")
     result: dict[str, Any] = {"seed": setup.seed, "teach": setup.teach.to_dict(), "round": asdict(recipe),
                               "step_seconds": step_seconds, "arms": {}}
+    rows: dict[str, list[bool]] = {}  # each arm's per-row correctness over every kind, in one order
     for arm, model in models.items():
-        result["arms"][arm] = {}
+        result["arms"][arm], rows[arm] = {}, []
         for kind in kinds:
             key = (str(model), str(setup.split(kind)))
             if key not in scores:
                 scores[key] = score(model, setup.split(kind), device=setup.device)
+            rows[arm] += scores[key]["correct"]
             entry = accuracy_entry(scores[key])
             if arm != "base":
                 entry["gain"] = paired_difference(scores[(str(setup.model), str(setup.split(kind)))]["correct"],
                                                   scores[key]["correct"])
             result["arms"][arm][kind] = entry
-    # Every kind's rows together: one round's gain is noisy per split (a split's interval is ~8 points wide at 200
-    # rows), and a round that moved the answers on the held-out rows as a whole is what the question asks.
-    rows = {arm: [c for kind in kinds for c in scores[(str(model), str(setup.split(kind)))]["correct"]]
-            for arm, model in models.items()}
+    # Every kind's rows together: one round's gain is noisy per split, and whether it moved the answers on the
+    # held-out rows as a whole is what the question asks.
     result["pooled_gain"] = {arm: paired_difference(rows["base"], rows[arm]) for arm in models if arm != "base"}
     return result
 
@@ -281,9 +281,8 @@ def format_result(result: dict[str, Any]) -> str:
     r = result["round"]
     lines = [f"teach seed {result['seed']}, grpo seed {r['seed']}: {r['steps']} steps x {r['prompts_per_step']} "
              f"prompts x {r['num_generations']} generations, lr {r['learning_rate']:g}, lora rank {r['lora_rank']}, "
-             f"temperature {r['temperature']:g}, warmup {r.get('warmup_ratio', 0):g}, kl {r['beta']:g}, {r['loss_type']}, "
-             f"{r['phrasing']} phrasing, rewards "
-             f"{dict(r['reward_weights'])}; s/step " +
+             f"temperature {r['temperature']:g}, warmup {r.get('warmup_ratio', 0):g}, kl {r['beta']:g}, "
+             f"{r['loss_type']}, {r['phrasing']} phrasing, rewards {dict(r['reward_weights'])}; s/step " +
              ", ".join(f"{arm} {s:.1f}" for arm, s in result["step_seconds"].items())]
     for arm, by_kind in result["arms"].items():
         for kind, e in by_kind.items():

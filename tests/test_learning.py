@@ -10,14 +10,12 @@ on blanked ones, each model scored greedily as the verifier scores on the same 2
 One round's outcome depends on the machine: a CPU run repeats exactly on one machine, and another CPU samples other
 completions. So the margins hold across round seeds, not for one lucky trajectory, and they are checked on both
 held-out splits' 400 rows together, where one round's gain is steadier than on either split. The runs they come
-from: bench/results/2026-12-07-cpu-learning-seeds.md (without the warmup, round seed 0 gained nothing on one machine
-and +23.0 / +16.0 on another).
+from, with and without the warmup: bench/results/2026-12-07-cpu-learning-seeds.md.
 
 Margins: the image round's gain on the held-out rows must reach MIN_GAIN with its paired 95% interval above 0, the
-blank round's stay at or below MAX_BLANK_GAIN, and the image round beat it by MIN_GAP. Noise is the round seed
-(above) and the paired interval (half width ~5 points at n 400). With this round, round seeds 0-5 gained +5.5 to
-+22.8 (the smallest, seed 5, with its interval from +1.4), seed 0 +15.2; a round without the image has gained +0.0 in
-every blank run so far. So a round that learns nothing, or learns as much from blank images, fails.
+blank round's stay at or below MAX_BLANK_GAIN, and the image round beat it by MIN_GAP. They sit below the smallest
+gain measured over round seeds and above what a round without the image gains, so a round that learns nothing, or
+learns as much from blank images, fails.
 
 What this does not show: that a round improves every taught model. DEMO_RECIPE taught with seeds 1 and 2 (H200)
 starts far higher and one round barely moves it (bench/learning.py); the test pins teach seed 0.
