@@ -686,3 +686,93 @@ def test_a_round_without_a_recorded_format_rate_is_not_promotable():
     assert promotable({"merged_dir": "m", "format_rate": 0.95}, 0.9, here)
     assert not promotable({"merged_dir": "m"}, 0.9, here)
     assert not promotable({"merged_dir": "m", "format_rate": None}, 0.9, here)
+
+
+# --- search/rounds.py: what the scheduler saw, put over the round's own account -----------------------------------------
+
+
+class _RoundHandle:
+    """A round's handle at a fixed phase, ending with a fixed outcome."""
+
+    def __init__(self, phase, outcome=None):
+        self._phase, self._outcome = phase, outcome
+
+    def phase(self):
+        return self._phase
+
+    def outcome(self):
+        return self._outcome
+
+
+def _running(handle, *, steps=20, latest_step=None):
+    from search.allotment import Allotment
+    from search.rounds import RunningRound
+    from trainer.config import TrialConfig
+
+    config = TrialConfig(model_path="m", train_path="t", output_dir="o", steps=steps)
+    allotment = Allotment(steps, predicted_s=600.0, end_by=1000.0, stop_at=900.0, kill_at=1100.0)
+    r = RunningRound(trial=None, config=config, gpus=[0], handle=handle, started=400.0, allotment=allotment)
+    if latest_step is not None:
+        r.latest = {"step": latest_step}
+    return r
+
+
+def _round_outcome(state, *, failure=None, ood=60.0):
+    from search.backends import RoundOutcome
+
+    return RoundOutcome(state, "its own reason", ood, 50.0, 99.0, 20.0, 20, failure=failure)
+
+
+def test_a_round_past_its_stop_time_is_asked_to_stop_only_while_steps_remain():
+    """The STOP goes to a round still stepping past its stop time; one that has logged its last step is saving
+    already, and a STOP then would only mark a finished round as stopped."""
+    from trainer.run_folder import Phase
+
+    assert _running(_RoundHandle(Phase.TRAINING), latest_step=19).due_to_stop(950.0)
+    assert not _running(_RoundHandle(Phase.TRAINING), latest_step=19).due_to_stop(850.0)
+    assert not _running(_RoundHandle(Phase.TRAINING), latest_step=20).due_to_stop(950.0)
+    assert not _running(_RoundHandle(Phase.EVALUATING), latest_step=12).due_to_stop(950.0)
+
+
+def test_a_pruned_round_that_finished_anyway_is_recorded_pruned_and_a_failed_one_failed():
+    """The pruner's verdict stands over a round that completed before the stop reached it; a round that failed keeps
+    its failure, whatever the pruner said."""
+    from trainer.run_folder import FailureKind, RoundState
+
+    for own in (RoundState.COMPLETED, RoundState.STOPPED):
+        r = _running(_RoundHandle(None, _round_outcome(own)))
+        r.pruned = "pruned at step 8: below the median"
+        outcome = r.outcome()
+        assert (outcome.state, outcome.reason, outcome.failure) == (RoundState.PRUNED, r.pruned, None)
+    r = _running(_RoundHandle(None, _round_outcome(RoundState.FAILED, failure=FailureKind.NAN, ood=None)))
+    r.pruned = "pruned at step 8: below the median"
+    outcome = r.outcome()
+    assert (outcome.state, outcome.reason, outcome.failure) == (RoundState.FAILED, "its own reason", FailureKind.NAN)
+
+
+def test_only_a_failed_round_carries_a_failure_kind():
+    """A completed round has no failure kind (the search counts failures by kind); a failed one without a kind of its
+    own is an error."""
+    from trainer.run_folder import FailureKind, RoundState
+
+    assert _running(_RoundHandle(None, _round_outcome(RoundState.COMPLETED))).outcome().failure is None
+    failed = _running(_RoundHandle(None, _round_outcome(RoundState.FAILED, ood=None))).outcome()
+    assert (failed.state, failed.failure) == (RoundState.FAILED, FailureKind.ERROR)
+
+
+def test_a_saved_round_without_an_ood_accuracy_fails_saying_so():
+    from trainer.run_folder import FailureKind, RoundState
+
+    outcome = _running(_RoundHandle(None, _round_outcome(RoundState.COMPLETED, ood=None))).outcome()
+    assert (outcome.state, outcome.reason, outcome.failure) == \
+        (RoundState.FAILED, "the evaluation gave no OOD accuracy", FailureKind.ERROR)  # fmt: skip
+
+
+def test_a_round_killed_past_its_allotment_says_how_far_past():
+    """The kill line names the phase, how long past the end of its allotment and the allotment itself."""
+    from trainer.run_folder import Phase
+
+    r = _running(_RoundHandle(Phase.EVALUATING))
+    assert not r.overdue(1099.0, hang_minutes=30)
+    assert r.overdue(1120.0, hang_minutes=30)
+    assert r.killed == "killed: still evaluating 2 min past its allotment of 10 min"
