@@ -36,8 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from evaluator.evaluation import evaluate
-    from search.promotion import verification
-    from search.promotion import expected_answers, verify
+    from search.promotion import expected_answers, keep_a_checker_ready, verify
     from synthetic.models import build_model
     from synthetic.splits import write_split
 
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     record_s = time.perf_counter() - began
     expected = expected_answers(report["per_row"], rows=args.rows)
     gpus = [0] if torch.cuda.is_available() else []
-    verification.keep_a_checker_ready()  # as the search does
+    keep_a_checker_ready()  # as the search does
     try:
         time.sleep(READY_S)
         began = time.perf_counter()
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         checked = verify(model, split, expected, gpus=gpus, batch_size=64)
         check_s = time.perf_counter() - began
     finally:
-        verification.keep_a_checker_ready(False)
+        keep_a_checker_ready(False)
     result = {
         "machine": torch.cuda.get_device_name() if gpus else "cpu",
         "rows": args.rows,
