@@ -4,13 +4,15 @@ allocator measured: its peak allocated and reserved bytes, and whether the round
 
     python bench/memory_fit.py --work /tmp/memory-fit --cap-gb 48 --out bench/results/DATE-h200-memory-fit.json
 
-The rounds (CONFIGS), all at two prompts a step and the largest image bound: the heaviest of budget.yaml's space (full
-fine-tuning, group 16, the KL reference), which the check refuses at 48 GB; the heaviest it admits (the same at group
-8: the inherited baseline's shape); full fine-tuning without the reference and a LoRA round at group 16; and the
-heaviest with its vision tower trained too. Refused rounds run without the check, to see whether they really run out
-of memory. Images are rendered
-at 672 x 588 (395,136 pixels, 504 image tokens), near the `max_pixels` bound the estimate assumes. Figures are written
-after each round, so a call cut short keeps what it measured.
+The rounds (CONFIGS), all at two prompts a step: the heaviest of budget.yaml's space (full fine-tuning, group 16,
+the KL reference, the larger image bound), which the check refuses at 48 GB; the heaviest it admits, the round
+`run_search.py check` runs (full fine-tuning without the reference at the smaller image bound: every 2nd layer
+checkpointed), and the same at group 16; full fine-tuning with the reference at group 8 (the inherited baseline's
+shape), and without it at group 16; a LoRA round at group 16; and the heaviest with its vision tower trained too.
+Refused rounds run without the check, to see whether they really run out of memory. Images are rendered at 672 x 588
+(395,136 pixels, 504 image tokens), near the larger `max_pixels` bound the estimate assumes; a round of the smaller
+bound gets them resized to it by the processor. Figures are written after each round, so a call cut short keeps
+what it measured.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ IMAGE_SIZE = (672, 588)
 SPACE_HEAVIEST = {"lora_rank": 0, "learning_rate": 1e-6, "num_generations": 16, "beta": 0.04}
 CONFIGS: dict[str, dict[str, Any]] = {
     "refused_full_kl_group_16": SPACE_HEAVIEST,
-    "heaviest_admitted": {**SPACE_HEAVIEST, "num_generations": 8},
+    "heaviest_admitted": {**SPACE_HEAVIEST, "num_generations": 4, "beta": 0.0, "max_pixels": 200704},
+    "every_2nd_layer_group_16": {**SPACE_HEAVIEST, "beta": 0.0, "max_pixels": 200704},
+    "full_kl_group_8": {**SPACE_HEAVIEST, "num_generations": 8},
     "full_group_16": {**SPACE_HEAVIEST, "beta": 0.0},
     "lora64_group_16": {**SPACE_HEAVIEST, "lora_rank": 64, "learning_rate": 1e-5},
     "refused_vision_tower": {**SPACE_HEAVIEST, "train_vision_tower": True},
@@ -48,7 +52,7 @@ def trial_config(name: str, model: Path, train: Path, work: Path, steps: int, ca
 
     fixed = yaml.safe_load((ROOT / "budget.yaml").read_text())["fixed"]
     return TrialConfig(model_path=str(model), train_path=str(train), output_dir=str(work / name), steps=steps,
-                       max_pixels=401408, gpu_memory_gb=cap_gb, **{**fixed, **CONFIGS[name]})  # fmt: skip
+                       gpu_memory_gb=cap_gb, **{"max_pixels": 401408, **fixed, **CONFIGS[name]})  # fmt: skip
 
 
 def predicted(config, model: Path) -> dict[str, Any]:

@@ -20,8 +20,13 @@ def test_merge_vs_best_budget_keeps_every_round_turns_the_stage_off_and_seeds_th
 
 
 def test_memory_fit_rounds_are_the_space_s_heaviest_and_its_refused_one(tmp_path):
+    """The bench's `heaviest_admitted` is the round `run_search.py check` would run on budget.yaml's space at 48 GB
+    (the heaviest the fit check admits over every corner of the space), and no round of the bench that the check
+    admits is predicted heavier."""
     from bench import memory_fit
+    from search import preflight
     from search.backends.fit import FitCheck
+    from search.settings import load_settings
     from synthetic.models import build_config
 
     check = FitCheck(lambda: build_config("2b"), lambda gpus: 48e9)
@@ -31,10 +36,16 @@ def test_memory_fit_rounds_are_the_space_s_heaviest_and_its_refused_one(tmp_path
         assert config.gpu_memory_gb == 48.0 and config.output_dir == str(tmp_path / name)
         assert config.prompts_per_step == 2 and config.max_completion_length == 256  # budget.yaml's fixed
         fits[name] = check(config, [0])
-    assert fits["heaviest_admitted"].fits
     assert not fits["refused_vision_tower"].fits and not fits["refused_full_kl_group_16"].fits
     admitted = [f.plan.peak_bytes for name, f in fits.items() if f.fits]
     assert max(admitted) == fits["heaviest_admitted"].plan.peak_bytes
+
+    box = load_settings(memory_fit.ROOT / "budget.yaml")
+    chosen = preflight.heaviest_admitted(box, check)
+    bench = memory_fit.trial_config("heaviest_admitted", tmp_path / "m", tmp_path / "t", tmp_path, 20, 48.0)
+    keys = ("lora_rank", "num_generations", "max_pixels", "beta", "train_vision_tower")
+    assert [getattr(chosen, key) for key in keys] == [getattr(bench, key) for key in keys]
+    assert check(chosen, box.slots[0]).plan.peak_bytes == fits["heaviest_admitted"].plan.peak_bytes
 
 
 def test_soup_cost_times_a_build_in_a_child_and_reads_its_peak(tmp_path, tiny_model_dir):
