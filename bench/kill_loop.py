@@ -48,11 +48,15 @@ def journal_state(journal: Path, name: str) -> dict:
 def one_run(journal: Path, index: int, rng: random.Random, max_delay: float, hours: float, timeout: float) -> dict:
     name = f"kill-{index:03d}"
     chosen, delay = rng.choice(SIGNALS), rng.uniform(0.5, max_delay)
-    first = subprocess.Popen(command(journal, name, hours), cwd=journal.parent, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-    time.sleep(delay)
-    first.send_signal(chosen)
-    out1, err1 = first.communicate(timeout=timeout)
+    # Its output goes to files, not pipes: nobody reads a pipe until the kill, and a search that filled one would
+    # block on its next line, so every later signal would find it there.
+    out_path, err_path = journal.parent / f"{name}.first.out", journal.parent / f"{name}.first.err"
+    with out_path.open("w") as out_file, err_path.open("w") as err_file:
+        first = subprocess.Popen(command(journal, name, hours), cwd=journal.parent, stdout=out_file, stderr=err_file)
+        time.sleep(delay)
+        first.send_signal(chosen)
+        first.wait(timeout=timeout)
+    out1, err1 = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
     after_kill = journal_state(journal, name)
     began = time.monotonic()
     second = subprocess.run(command(journal, name, hours), cwd=journal.parent, capture_output=True, text=True,
