@@ -30,9 +30,9 @@ def test_memory_fit_rounds_are_the_space_s_heaviest_and_its_refused_one(tmp_path
     from synthetic.models import build_config
 
     check = FitCheck(lambda: build_config("2b"), lambda gpus: 48e9)
-    fits = {}
+    configs, fits = {}, {}
     for name in memory_fit.CONFIGS:
-        config = memory_fit.trial_config(name, tmp_path / "m", tmp_path / "t", tmp_path, 20, 48.0)
+        config = configs[name] = memory_fit.trial_config(name, tmp_path / "m", tmp_path / "t", tmp_path, 20, 48.0)
         assert config.gpu_memory_gb == 48.0 and config.output_dir == str(tmp_path / name)
         assert config.prompts_per_step == 2 and config.max_completion_length == 256  # budget.yaml's fixed
         fits[name] = check(config, [0])
@@ -42,9 +42,8 @@ def test_memory_fit_rounds_are_the_space_s_heaviest_and_its_refused_one(tmp_path
 
     box = load_settings(memory_fit.ROOT / "budget.yaml")
     chosen = preflight.heaviest_admitted(box, check)
-    bench = memory_fit.trial_config("heaviest_admitted", tmp_path / "m", tmp_path / "t", tmp_path, 20, 48.0)
     keys = ("lora_rank", "num_generations", "max_pixels", "beta", "train_vision_tower")
-    assert [getattr(chosen, key) for key in keys] == [getattr(bench, key) for key in keys]
+    assert [getattr(chosen, key) for key in keys] == [getattr(configs["heaviest_admitted"], key) for key in keys]
     assert check(chosen, box.slots[0]).plan.peak_bytes == fits["heaviest_admitted"].plan.peak_bytes
 
 
