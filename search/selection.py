@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 
 OOD_ROWS = "ood_rows"  # the user attribute of a scored round (see the module docstring)
 Z_95 = 1.959964  # two-sided 95% quantile of the normal distribution
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,32 @@ def rows_attr(per_row: Mapping[str, Sequence]) -> dict:
 
 def read_rows_attr(attrs: Mapping) -> tuple[str, list[bool]] | None:
     """(digest, per-row correctness) of a trial's user attributes, or None when it has none (or a malformed one)."""
+    packed = _read_packed(attrs)
+    return None if packed is None else (packed[0], unpack(attrs[OOD_ROWS]["correct"], packed[1]))
+
+
+def lead_between(attrs: Mapping, other: Mapping) -> Lead | None:
+    """The paired lead of one scored round over another from their trials' user attributes; None unless both hold
+    per-row scores of the same rows. Counted on the packed bits (a leaderboard of hundreds of rounds computes two
+    leads per round, after every round)."""
+    mine, theirs = _read_packed(attrs), _read_packed(other)
+    if mine is None or theirs is None or mine[:2] != theirs[:2] or mine[1] == 0:
+        return None
+    a, b = mine[2], theirs[2]
+    return _lead_from_counts((a & ~b).bit_count(), (b & ~a).bit_count(), mine[1])
+
+
+def _read_packed(attrs: Mapping) -> tuple[str, int, int] | None:
+    """(digest, row count, the rows as the bits of one integer, first row highest) of a trial's `OOD_ROWS`, or None
+    when it has none or one `pack` did not write (a hex digit count other than the rows need, a non-hex digit)."""
     value = attrs.get(OOD_ROWS)
     try:
-        return str(value["digest"]), unpack(value["correct"], int(value["n"]))
+        digest, n, correct = str(value["digest"]), int(value["n"]), value["correct"]
     except (TypeError, KeyError, ValueError):
         return None
+    if not isinstance(correct, str) or n < 0 or len(correct) != -(-n // 4) or not set(correct) <= _HEX_DIGITS:
+        return None
+    return digest, n, int(correct or "0", 16) >> (len(correct) * 4 - n)
 
 
 def correctness(per_row: Mapping[str, Sequence]) -> list[bool]:
@@ -88,9 +110,15 @@ def paired_lead(a: Sequence[bool], b: Sequence[bool]) -> Lead:
     """How far `a` leads `b` on the same rows, in accuracy points, with its paired 95% interval."""
     if len(a) != len(b) or not a:
         raise ValueError(f"need the same rows on both sides, got {len(a)} and {len(b)}")
-    n = len(a)
-    diffs = [int(x) - int(y) for x, y in zip(a, b)]
-    mean = sum(diffs) / n
-    variance = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    wins = sum(1 for x, y in zip(a, b) if x and not y)
+    losses = sum(1 for x, y in zip(a, b) if y and not x)
+    return _lead_from_counts(wins, losses, len(a))
+
+
+def _lead_from_counts(wins: int, losses: int, n: int) -> Lead:
+    """The paired lead from the rows only `a` got right (`wins`) and only `b` got right (`losses`), of `n`: each
+    paired difference is +1, -1 or 0, so its mean and sample variance follow from the two counts."""
+    mean = (wins - losses) / n
+    variance = (wins + losses - n * mean * mean) / (n - 1) if n > 1 else 0.0
     half = Z_95 * math.sqrt(variance / n)
     return Lead(100.0 * mean, 100.0 * (mean - half), 100.0 * (mean + half), n)

@@ -51,6 +51,43 @@ def test_a_lead_on_swapped_rows_is_within_the_noise():
     assert lead.high == pytest.approx(100 * 1.96 * math.sqrt(0.9 * 100 / 99 / 100), abs=0.01)
 
 
+def _stored(rows: list[bool], digest: str = "rows") -> dict:
+    return {selection.OOD_ROWS: {"n": len(rows), "digest": digest, "correct": selection.pack(rows)}}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 63, 64, 65, 1001])
+def test_the_leaderboards_lead_from_stored_rows_is_the_paired_lead_of_the_rows(n):
+    """The leaderboard counts leads on the packed bits; they equal the paired lead of the rows read back, at every
+    padding of the last hex digit, and either way round."""
+    a = [(i * 7) % 3 != 1 for i in range(n)]
+    b = [(i * 5) % 4 == 0 for i in range(n)]
+    for mine, theirs in ((a, b), (b, a), (a, a)):
+        fast, slow = selection.lead_between(_stored(mine), _stored(theirs)), selection.paired_lead(mine, theirs)
+        assert (fast.points, fast.n) == (slow.points, slow.n)
+        assert fast.low == pytest.approx(slow.low, abs=1e-9) and fast.high == pytest.approx(slow.high, abs=1e-9)
+
+
+def test_a_stored_lead_needs_the_same_rows_and_rows_pack_wrote():
+    """No lead between rounds of other rows (digest or count), of no rows, or from a value `pack` did not write (a
+    foreign program's): those rows show no interval, and a padding bit set by such a program is not counted."""
+    a, b = [True, False, True], [False, False, True]
+    assert selection.lead_between(_stored(a), _stored(b)).points == pytest.approx(100 / 3)
+    assert selection.lead_between(_stored(a, "x"), _stored(b, "y")) is None
+    assert selection.lead_between(_stored(a), _stored(b + [True])) is None
+    assert selection.lead_between(_stored([]), _stored([])) is None
+    assert selection.lead_between(_stored([False] * 3), _stored(b)).points == pytest.approx(-100 / 3)  # all wrong
+    assert selection.lead_between({}, _stored(b)) is None
+    for odd in ("0xa", "zz", "a0", 5, None):
+        foreign = {selection.OOD_ROWS: {"n": 3, "digest": "rows", "correct": odd}}
+        assert selection.lead_between(foreign, _stored(b)) is None and selection.read_rows_attr(foreign) is None
+    padded = {selection.OOD_ROWS: {"n": 3, "digest": "rows", "correct": "b"}}  # rows 101 and a set padding bit
+    assert selection.lead_between(padded, _stored(b)) == selection.lead_between(_stored(a), _stored(b))
+    assert selection.read_rows_attr(padded) == ("rows", a)
+    every_digit = "0123456789abcdefABCDEF"  # another program's upper-case hex reads as the same bits
+    foreign = {selection.OOD_ROWS: {"n": 88, "digest": "rows", "correct": every_digit}}
+    assert selection.read_rows_attr(foreign)[1] == selection.unpack(every_digit.lower(), 88)
+
+
 # ---------------------------------------------------------------------------------------------------------- the floor
 def _model(folder: Path, tag: str) -> Path:
     folder.mkdir(parents=True)

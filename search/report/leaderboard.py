@@ -216,10 +216,7 @@ def _lead(trial: FrozenTrial, other: FrozenTrial | None) -> selection.Lead | Non
     """The paired lead of `trial` over `other` on the same ood_val rows; None without comparable per-row scores."""
     if other is None or other.number == trial.number:
         return None
-    mine, theirs = selection.read_rows_attr(trial.user_attrs), selection.read_rows_attr(other.user_attrs)
-    if mine is None or theirs is None or mine[0] != theirs[0] or len(mine[1]) != len(theirs[1]):
-        return None
-    return selection.paired_lead(mine[1], theirs[1])
+    return selection.lead_between(trial.user_attrs, other.user_attrs)
 
 
 def _chain(trial: FrozenTrial, by_number: dict[int, FrozenTrial]) -> list[int]:
