@@ -8,6 +8,8 @@ The estimate, in bytes on one GPU at the peak of a training step:
           tokens / micro_batches x hidden x (KEPT_BYTES x layers keeping their activations + CHECKPOINTED_BYTES x
           checkpointed layers),
       and what scoring a generation batch holds, LOGIT_BYTES x vocabulary x completion tokens (not split)
+    + ACCUMULATION_BYTES x trainable, when a step is split into micro-batches and some decoder layer keeps its
+      activations
 
 with tokens = completions per process and step x (a bound on the prompt + max_completion_length): the prompt bound is
 an image of `max_pixels` (one token per 28 x 28 pixels) plus PROMPT_TEXT_TOKENS. The two per-token coefficients are
@@ -15,13 +17,17 @@ fitted to the two peaks measured on an H200 for full fine-tuning of the 2B model
 bench/results/2026-12-03-h200.json: 31.1 GiB with every layer checkpointed, 41.1 GiB with none, 8 completions of
 245 + 256 tokens); bench/results/2026-12-04-checkpointing-memory-model.md has the derivation and how well it predicts
 the LoRA peaks. LOGIT_BYTES comes from a round of 32 completions that ran out of memory under a 48 GB cap in every
-split it was given (bench/results/2026-12-07-fit-vs-measured.md). A plan fits when its estimate is at most HEADROOM of the card's memory: the rest is for the CUDA
-context, the allocator's cached blocks and the estimate's error.
+split it was given (bench/results/2026-12-07-fit-vs-measured.md). ACCUMULATION_BYTES comes from four rounds that ran
+out of memory under a 48 GB cap (bench/results/2026-12-08-fit-vs-measured-accumulation.md): every 2nd layer
+checkpointed in 2 or 4 micro-batches, where the same passes in one micro-batch, and every layer checkpointed in 2 or
+4, ran within the estimate. A plan fits when its estimate is at most HEADROOM of the card's memory: the rest is for
+the CUDA context, the allocator's cached blocks and the estimate's error.
 
 What a round may change to fit (`plan`), in this order: checkpoint more decoder layers, then split the step's
-completions into more micro-batches (at least enough that a pass holds at most MAX_PASS_TOKENS) (TRL's gradient accumulation: the same groups and the same optimizer step, each
-forward and backward on a share of the tokens). A round whose every plan is over the card does not fit: the search
-never launches it (search/backends/fit.py predicts the same plan before the launch).
+completions into more micro-batches, at least enough that a pass holds at most MAX_PASS_TOKENS (TRL's gradient
+accumulation: the same groups and the same optimizer step, each forward and backward on a share of the tokens). A
+round whose every plan is over the card does not fit: the search never launches it (search/backends/fit.py predicts
+the same plan before the launch).
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ MAX_PASS_TOKENS = 8000
 # Bytes per completion token per vocabulary entry held while a generation batch is scored (its logits for the old and
 # reference log-probs, whichever micro-batches the training step is split into).
 LOGIT_BYTES = 5.4
+# Bytes per trainable parameter held on top of the rest when a step is split into micro-batches while some decoder
+# layers keep their activations: at least 7.3 GB (4.7 per parameter, full fine-tuning of the 2B model) above the
+# estimate in all four such rounds measured; the float32 gradients accumulated across the passes are 4.
+ACCUMULATION_BYTES = 5.0
 # Of the card, for the estimate: the rest is for the CUDA context, the allocator's cached blocks and the estimate's
 # error.
 HEADROOM = 0.85
@@ -63,6 +73,7 @@ class Footprint:
     decoder_positions: tuple[int, ...]  # each decoder layer's index among the model's checkpointable layers
     completions: int = 1  # sequences of one step on this process: the micro-batches split them evenly
     generation_bytes: float = 0.0  # held while a generation batch is scored, before training: not split
+    trainable: int = 0  # trained parameters (with LoRA, the adapters')
 
 
 @dataclass(frozen=True)
@@ -82,7 +93,9 @@ def peak_bytes(footprint: Footprint, every: int, micro_batches: int = 1) -> floa
     checkpointed = checkpointed_layers(footprint.decoder_positions, every)
     kept = len(footprint.decoder_positions) - checkpointed
     per_token = footprint.hidden * (KEPT_BYTES * kept + CHECKPOINTED_BYTES * checkpointed)
-    return footprint.fixed_bytes + max(footprint.generation_bytes, footprint.tokens / micro_batches * per_token)
+    accumulating = ACCUMULATION_BYTES * footprint.trainable if micro_batches > 1 and kept > 0 else 0.0
+    return (footprint.fixed_bytes + max(footprint.generation_bytes, footprint.tokens / micro_batches * per_token)
+            + accumulating)  # fmt: skip
 
 
 def checkpointed_layers(decoder_positions: Sequence[int], every: int) -> int:
@@ -95,9 +108,9 @@ def checkpointed_layers(decoder_positions: Sequence[int], every: int) -> int:
 
 def plan(footprint: Footprint, card_bytes: float, *, every: int | None = None) -> Plan:
     """The first plan whose estimated peak fits HEADROOM x `card_bytes`: the fewest micro-batches (divisors of the
-    step's completions, each pass at most MAX_PASS_TOKENS) at which some checkpoint interval fits, with the fewest checkpointed decoder layers there;
-    `every` given: that interval only. None fitting: the lowest estimate (every layer, or `every`, one completion a
-    pass), marked as not fitting."""
+    step's completions, each pass at most MAX_PASS_TOKENS) at which some checkpoint interval fits, with the fewest
+    checkpointed decoder layers there; `every` given: that interval only. None fitting: the lowest estimate (every
+    layer, or `every`, one completion a pass), marked as not fitting."""
     budget = HEADROOM * card_bytes
     layers = max(footprint.decoder_positions, default=0) + 1
     by_cost = sorted(range(layers + 1), key=lambda n: checkpointed_layers(footprint.decoder_positions, n))
@@ -164,4 +177,5 @@ def footprint(model: torch.nn.Module, *, lora_targets: str | None, lora_rank: in
         decoder_positions=tuple(i for i, layer in enumerate(layers) if id(layer) in decoder),
         completions=per_device_completions,
         generation_bytes=LOGIT_BYTES * text.config.vocab_size * max_completion_length * per_device_completions,
+        trainable=trainable,
     )
