@@ -73,3 +73,20 @@ def test_kill_loop_kills_a_search_runs_it_again_and_reads_the_journal_with_plain
     assert not result["first_traceback"] and not result["second_traceback"]
     assert result["after_rerun"]["readable"] and result["after_rerun"]["running"] == 0
     assert result["after_rerun"]["trials"] >= result["after_kill"].get("trials", 0)
+
+
+def test_check_time_budget_points_the_check_at_the_box_it_builds(tmp_path):
+    """bench/check_time.py checks budget.yaml's space and settings on its own box: every path under its folder, every
+    visible GPU, the cap; a budget without one of those keys is refused rather than checked with the user's paths."""
+    from bench.check_time import box_budget
+
+    root = Path(__file__).resolve().parents[1]
+    budget = tmp_path / "budget.yaml"
+    budget.write_text(box_budget((root / "budget.yaml").read_text(), tmp_path, 48.0))
+    settings, plain = load_settings(budget), load_settings(root / "budget.yaml")
+    assert settings.model_path == str(tmp_path / "model")
+    assert settings.ood_val_path == str(tmp_path / "data" / "ood_val")
+    assert settings.submission_path == str(tmp_path / "submission") and settings.storage == str(tmp_path / "study.db")
+    assert settings.gpu_memory_gb == 48.0 and settings.space == plain.space and settings.hours == plain.hours
+    with pytest.raises(ValueError, match="0 top-level `train_path:` lines"):
+        box_budget("model_path: /app/models/x\n", tmp_path, None)
