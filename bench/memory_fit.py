@@ -37,9 +37,8 @@ SPACE_HEAVIEST = {"lora_rank": 0, "learning_rate": 1e-6, "num_generations": 16, 
 CONFIGS: dict[str, dict[str, Any]] = {
     "refused_full_kl_group_16": SPACE_HEAVIEST,
     "heaviest_admitted": {**SPACE_HEAVIEST, "num_generations": 4, "beta": 0.0, "max_pixels": 200704},
-    # Full fine-tuning at the smaller image bound in more than one micro-batch; the estimate without the
-    # accumulation term planned every 2nd layer checkpointed for each (they ran out of memory), and TRL's knobs
-    # that did not change that: one step a generation, the dynamic KV cache.
+    # Full fine-tuning at the smaller image bound split into micro-batches (trainer.memory's ACCUMULATION_BYTES
+    # rounds), also with one step a generation and with the dynamic KV cache.
     "full_group_16_small_images": {**SPACE_HEAVIEST, "beta": 0.0, "max_pixels": 200704},
     "full_group_8_small_images": {**SPACE_HEAVIEST, "num_generations": 8, "beta": 0.0, "max_pixels": 200704},
     "full_group_16_small_images_one_step_a_generation": {**SPACE_HEAVIEST, "beta": 0.0, "max_pixels": 200704,
