@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import time
@@ -30,16 +29,14 @@ BOX_SIZES = {"train": 64, "val": 500, "ood_val": 500, "test_compositional": 8, "
 def box_budget(budget_text: str, work: Path, cap_gb: float | None) -> str:
     """budget.yaml's text with the box under `work`: its model, data, submission, runs and study, every visible GPU,
     and the cap."""
+    from bench.search_vs_baseline import with_top_level_keys
+
     values = {
         "model_path": work / "model", "train_path": work / "data" / "train", "val_path": work / "data" / "val",
         "ood_val_path": work / "data" / "ood_val", "submission_path": work / "submission", "runs_dir": work / "runs",
         "storage": work / "study.db", "gpus": "auto", "gpu_memory_gb": "null" if cap_gb is None else cap_gb,
     }  # fmt: skip
-    for key, value in values.items():
-        budget_text, found = re.subn(rf"(?m)^{key}:.*$", f"{key}: {value}", budget_text)
-        if found != 1:
-            raise ValueError(f"budget.yaml has {found} top-level `{key}:` lines, expected one")
-    return budget_text
+    return with_top_level_keys(budget_text, values, "budget.yaml")
 
 
 def build_box(work: Path, size: str) -> float:

@@ -37,16 +37,21 @@ KINDS = ("other", "compositional")
 
 def budget_copy(work: Path) -> Path:
     """The demo's budget file with the study, the runs and the submission under `work`, every round's weights kept."""
-    text = DEMO_BUDGET.read_text()
     overrides = {"storage": work / "study.db", "runs_dir": work / "runs", "submission_path": work / "submission",
                  "study_name": "search-vs-baseline", "keep_rounds": 1000}
-    for key, value in overrides.items():
+    path = work / "budget.yaml"
+    path.write_text(with_top_level_keys(DEMO_BUDGET.read_text(), overrides, DEMO_BUDGET))
+    return path
+
+
+def with_top_level_keys(text: str, values: dict, source: object) -> str:
+    """A budget file's `text` with each top-level key of `values` set to its value, the rest of the file as it was
+    (its comments too); each key must appear once at the top level of `source`."""
+    for key, value in values.items():
         text, found = re.subn(rf"^{key}:.*$", f"{key}: {value}", text, flags=re.MULTILINE)
         if found != 1:
-            raise ValueError(f"{DEMO_BUDGET} has {found} top-level {key!r} keys; expected one")
-    path = work / "budget.yaml"
-    path.write_text(text)
-    return path
+            raise ValueError(f"{source} has {found} top-level {key!r} keys; expected one")
+    return text
 
 
 def run_search(budget: Path, hours: float) -> None:

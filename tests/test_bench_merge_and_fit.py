@@ -88,5 +88,5 @@ def test_check_time_budget_points_the_check_at_the_box_it_builds(tmp_path):
     assert settings.ood_val_path == str(tmp_path / "data" / "ood_val")
     assert settings.submission_path == str(tmp_path / "submission") and settings.storage == str(tmp_path / "study.db")
     assert settings.gpu_memory_gb == 48.0 and settings.space == plain.space and settings.hours == plain.hours
-    with pytest.raises(ValueError, match="0 top-level `train_path:` lines"):
+    with pytest.raises(ValueError, match="0 top-level 'train_path' keys"):
         box_budget("model_path: /app/models/x\n", tmp_path, None)
